@@ -1,0 +1,3 @@
+from pagoda.api.cli import main
+
+raise SystemExit(main())

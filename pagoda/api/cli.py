@@ -1,0 +1,29 @@
+"""The `pagoda` command line: one module per command under `pagoda.api.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+# Each module defines `register(subparsers)`, which adds its parser and sets `func`.
+COMMANDS = ("serve", "generate", "simulate", "bench", "plugins")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="An LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"pagoda.api.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"pagoda.api.commands.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,54 @@
+"""What the scheduler hands the model runner for one step.
+
+A step is a flat list of chunks, one per scheduled request: `num_tokens`
+consecutive tokens of the request starting at position `start` (the tokens
+whose KV is not yet cached). A decode is a chunk of one token; a prefill or a
+recompute after preemption is a longer chunk, possibly one of several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.core.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first new token == tokens already cached
+    num_tokens: int  # new tokens computed this step (>= 1)
+    block_table: tuple[int, ...]  # the request's blocks, covering start + num_tokens slots
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids_slice(self.start, self.end)
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token, so its logits pick the next one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    block_size: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sample_chunks(self) -> list[ScheduledChunk]:
+        """The chunks whose last position is sampled, in the order the runner returns logits."""
+        return [c for c in self.chunks if c.samples]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

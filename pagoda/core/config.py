@@ -1,0 +1,24 @@
+"""Engine configuration: the pool, the batch limits and the context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 256
+    block_size: int = 16
+    max_running: int = 64  # sequences in one step
+    max_batched_tokens: int = 512  # new tokens in one step (prefill chunks + decodes)
+    max_model_len: int = 8192  # prompt + output tokens of one request
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size

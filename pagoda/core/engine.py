@@ -1,0 +1,235 @@
+"""The engine step loop: schedule, run the model, sample, update, report.
+
+The engine is single-threaded: whoever owns it calls `add_request`, `abort`
+and `step` from one thread (the async server puts it on its own thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.core.batch import SchedulerOutput
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.config import EngineConfig
+from pagoda.core.model_runner import ModelRunner
+from pagoda.core.request import FinishReason, Request
+from pagoda.core.sampler import SampledToken, Sampler
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.core.scheduler import Scheduler
+
+logger = logging.getLogger("pagoda.engine")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
+    error: str | None = None
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters; running/waiting/pool numbers are read live from the scheduler."""
+
+    requests_total: int = 0
+    aborted_total: int = 0
+    failed_total: int = 0
+    generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    steps_total: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer: Any = None,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.counters = EngineCounters()
+        self.requests: dict[str, Request] = {}  # live requests by id
+        self._pending_aborts: list[str] = []
+
+    # -- requests in and out -------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None
+    ) -> Request:
+        """Queue a request; raises AdmissionError (or ValueError) for one that can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already live")
+        self._check_prompt(prompt_token_ids)
+        if sampling_params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add(request)
+        if self.tokenizer is not None:
+            request.text_stream = self.tokenizer.text_stream(sampling_params.stop)
+        self.requests[request_id] = request
+        self.counters.requests_total += 1
+        self.counters.prompt_tokens_total += request.num_prompt_tokens
+        return request
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+
+    def abort(self, request_id: str) -> None:
+        """Mark a request to be aborted at the top of the next step; unknown ids are a no-op."""
+        self._pending_aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending_aborts)
+
+    # -- the step ------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of every request that progressed or ended."""
+        outputs = self._apply_aborts()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        self.counters.steps_total += 1
+        try:
+            sampled = self._run(batch)
+        except Exception as exc:  # one failed forward must not take the server down
+            return outputs + self._fail(batch, exc)
+        return outputs + self._update(batch, sampled)
+
+    def run(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished (offline use)."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def _run(self, batch: SchedulerOutput) -> list[SampledToken]:
+        sample_chunks = batch.sample_chunks
+        logits = self.runner.execute(batch).logits
+        return self.sampler.sample(logits, [c.request for c in sample_chunks]) if sample_chunks else []
+
+    def _update(self, batch: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
+        for chunk in batch.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        outputs = []
+        for chunk, token in zip(batch.sample_chunks, sampled):
+            request = chunk.request
+            request.output_token_ids.append(token.token_id)
+            self.counters.generated_tokens_total += 1
+            text = request.text_stream.push(token.token_id) if request.text_stream else ""
+            reason = self._finish_reason(request, token.token_id)
+            if reason is not None:
+                text += self._finish(request, reason)
+            logprobs = [token] if request.sampling_params.logprobs is not None else []
+            outputs.append(self._output(request, [token.token_id], text, logprobs=logprobs))
+        return outputs
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.text_stream is not None and request.text_stream.stopped is not None:
+            request.stop_reason = request.text_stream.stopped
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return FinishReason.STOP
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> str:
+        """Take the request out of the scheduler (its blocks return now); returns held-back text."""
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        request.finish_reason = reason
+        stream = request.text_stream
+        if stream is not None and stream.stopped is None and reason is not FinishReason.ABORT:
+            return stream.flush()
+        return ""
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        pending, self._pending_aborts = self._pending_aborts, []
+        for request_id in pending:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._finish(request, FinishReason.ABORT)
+            self.counters.aborted_total += 1
+            outputs.append(self._output(request, [], ""))
+        return outputs
+
+    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.exception("model step failed; failing %d request(s)", len(batch.chunks))
+        outputs = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            self._finish(request, FinishReason.ERROR)
+            self.counters.failed_total += 1
+            outputs.append(self._output(request, [], "", error=f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _output(self, request: Request, token_ids: list[int], text: str, **extra: Any) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            stop_reason=request.stop_reason,
+            **extra,
+        )
+
+    # -- what the outside may ask --------------------------------------
+    def audit(self) -> None:
+        """The ledger audit (raises AuditError); call between steps."""
+        self.scheduler.audit()
+
+    def stats(self) -> dict[str, int]:
+        """The numbers /health reports."""
+        scheduler, pool, c = self.scheduler, self.block_manager, self.counters
+        return {
+            "running": scheduler.num_running,
+            "waiting": scheduler.num_waiting,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "preemptions_total": scheduler.num_preemptions,
+            "recomputed_tokens_total": scheduler.num_recomputed_tokens,
+            "aborted_total": c.aborted_total,
+            "failed_total": c.failed_total,
+            "generated_tokens_total": c.generated_tokens_total,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "requests_total": c.requests_total,
+            "peak_running": scheduler.peak_running,
+            "steps_total": c.steps_total,
+        }

@@ -1,0 +1,83 @@
+"""The state of one request as it moves through the scheduler's queues.
+
+A request is its tokens (prompt + output so far) and how many of them have
+their KV in the cache (`num_computed_tokens`). There is no prefill or decode
+state: each step computes some of the tokens not yet computed, and when the
+computed tokens reach the end a new token is sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Names match the scheduler queue that holds the request."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # the caller asked (e.g. the client went away)
+    ERROR = "error"  # the model step failed
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    num_preemptions: int = 0
+    # Opaque per-request sampling state (a torch.Generator), owned by the sampler.
+    # Kept on the request so that it survives preemption untouched.
+    generator: Any = None
+    # Opaque per-request text state (incremental detokenizer), owned by the engine.
+    text_stream: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """KV slots the request can ever hold: its last sampled token is never computed."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens - 1

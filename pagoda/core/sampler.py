@@ -1,0 +1,89 @@
+"""Per-request sampling from the runner's logits.
+
+Each request owns a torch.Generator seeded from its `seed` (or from a fresh
+random seed), kept on the request itself. A request's token therefore depends
+only on its own logits row and its own random stream: not on which other rows
+share the batch, and not on whether it was preempted and recomputed (the
+generator advances only when a token is actually sampled). Every row is
+processed on its own 1-D tensor so no reduction is shaped by the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.core.request import Request
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the chosen token under the model's distribution
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # the k most likely tokens
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """Pick one token per row; logits [len(requests), vocab] float32."""
+        assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        return [self._sample_row(logits[i], request) for i, request in enumerate(requests)]
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> SampledToken:
+        params = request.sampling_params
+        logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
+        if params.has_penalties:
+            row = _apply_penalties(row.clone(), request)
+        if params.greedy:
+            token_id = int(torch.argmax(row))
+        else:
+            token_id = int(torch.multinomial(_probs(row, params), 1, generator=_generator(request)))
+        if logprobs is None:
+            return SampledToken(token_id)
+        top = ()
+        if params.logprobs:
+            values, ids = torch.topk(logprobs, params.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        return SampledToken(token_id, float(logprobs[token_id]), top)
+
+
+def _generator(request: Request) -> torch.Generator:
+    if request.generator is None:
+        seed = request.sampling_params.seed
+        request.generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+    return request.generator
+
+
+def _probs(row: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering; returns probabilities [vocab]."""
+    row = row / params.temperature
+    if 0 < params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_row, order = torch.sort(row, descending=True)
+        cumulative = torch.softmax(sorted_row, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_row, dim=-1) >= params.top_p  # keep the token that crosses top_p
+        row = row.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def _apply_penalties(row: torch.Tensor, request: Request) -> torch.Tensor:
+    """Repetition (prompt + output), presence and frequency (output) penalties, and logit bias."""
+    params = request.sampling_params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.all_token_ids)), dtype=torch.long)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+        ids, counts = torch.tensor(request.output_token_ids, dtype=torch.long).unique(return_counts=True)
+        row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+    for token_id, bias in params.logit_bias.items():
+        if 0 <= token_id < row.shape[0]:
+            row[token_id] += bias
+    return row

@@ -1,0 +1,153 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Design note. There is no prefill phase and no decode phase: every request has
+tokens (prompt + output so far) and a count of them whose KV is cached. Each
+step hands out a budget of `max_batched_tokens` new tokens, first to running
+requests in arrival order (a decode costs one token, an unfinished prefill
+takes what is left of the budget), then to waiting requests while a running
+slot and blocks are free. A long prompt is thus prefilled over several steps.
+
+When a running request cannot get the block it needs, the newest running
+request is preempted: its blocks are freed, its cached-token count drops to
+zero and it goes to the front of the waiting queue. When it runs again it
+recomputes prompt + output so far in prefill chunks, and because sampling
+state lives on the request, its continuation is unchanged.
+
+Requests that could never fit (more KV slots than the whole pool, or longer
+than the model's context) are refused when they are added, never left waiting.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pagoda.core.batch import ScheduledChunk, SchedulerOutput
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.config import EngineConfig
+from pagoda.core.request import Request, RequestStatus
+
+
+class AdmissionError(ValueError):
+    """A request that can never be served under this configuration."""
+
+
+class KVCacheExhausted(AdmissionError):
+    """The request needs more KV slots than the whole pool holds."""
+
+
+class ContextLengthExceeded(AdmissionError):
+    """Prompt + max_tokens is longer than the model's context."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.peak_running = 0
+
+    # -- admission -----------------------------------------------------
+    def check_admissible(self, request: Request) -> None:
+        """Raise AdmissionError when the request can never be served; the message gives the numbers."""
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if total > self.config.max_model_len:
+            raise ContextLengthExceeded(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.sampling_params.max_tokens})"
+                f" = {total} exceeds the model's context of {self.config.max_model_len} tokens"
+            )
+        need = self.block_manager.blocks_for(request.max_kv_tokens)
+        if need > self.block_manager.num_blocks:
+            raise KVCacheExhausted(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.sampling_params.max_tokens})"
+                f" needs {need} KV blocks of {self.block_manager.block_size} tokens,"
+                f" but the whole pool has {self.block_manager.num_blocks}"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_admissible(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # -- one step ------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running requests first, then waiting ones."""
+        budget = self.config.max_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, chunks, preempted)
+        if not preempted:  # admitting new work while evicting would only thrash
+            self._schedule_waiting(budget, chunks)
+        self.peak_running = max(self.peak_running, len(self.running))
+        assert len(self.running) <= self.config.max_running
+        assert sum(c.num_tokens for c in chunks) <= self.config.max_batched_tokens
+        return SchedulerOutput(chunks=chunks, block_size=self.block_manager.block_size, preempted_ids=preempted)
+
+    def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            while not self.block_manager.can_allocate(request.request_id, end):
+                victim = self.running[-1]  # newest first
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    return budget
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(request.request_id, request.num_computed_tokens + num_new):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        table = self.block_manager.allocate(request.request_id, start + num_new)
+        return ScheduledChunk(request=request, start=start, num_tokens=num_new, block_table=tuple(table))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_preemptions += 1
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # -- leaving -------------------------------------------------------
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of its queue and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.FINISHED
+
+    def audit(self) -> None:
+        """The ledger audit over the live requests (waiting requests hold no blocks)."""
+        self.block_manager.audit({r.request_id: r.num_computed_tokens for r in self.running})
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

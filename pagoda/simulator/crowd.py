@@ -1,0 +1,121 @@
+"""Crowds: lists of client plans, saved and replayed as JSON.
+
+One format serves the simulator and the live acceptance harness: a plan says
+when a client arrives, what it asks, how it samples, whether it streams, which
+protocol it speaks (live runs only) and when, if ever, it hangs up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from pagoda.core.sampling_params import SamplingParams
+
+PROTOCOLS = ("completions", "chat", "responses", "messages")
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    client_id: str
+    arrival: float = 0.0  # seconds after the crowd starts
+    prompt_len: int = 8  # used when neither prompt tokens nor text are given
+    prompt: tuple[int, ...] | None = None  # token ids
+    prompt_text: str | None = None  # live runs on a real model
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stream: bool = False
+    protocol: str | None = None  # live runs: one of PROTOCOLS
+    hangup_after: float | None = None  # seconds after arrival; None = stays
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None:
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        if self.protocol is not None and self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.hangup_after is not None and self.hangup_after < 0:
+            raise ValueError(f"hangup_after must be >= 0, got {self.hangup_after}")
+        self.sampling_params()  # validate the sampling fields now
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+        )
+
+    def prompt_token_ids(self, vocab_size: int) -> list[int]:
+        """The plan's prompt tokens; generated from the client id when not given (never token 0, EOS)."""
+        if self.prompt is not None:
+            return list(self.prompt)
+        rng = random.Random(zlib.crc32(self.client_id.encode()))
+        return [rng.randrange(1, vocab_size) for _ in range(self.prompt_len)]
+
+    def alone(self) -> ClientPlan:
+        """The same plan arriving at once and never hanging up: the solo baseline."""
+        return ClientPlan(**{**asdict(self), "arrival": 0.0, "hangup_after": None})
+
+
+def mixed_crowd(
+    seed: int,
+    clients: int = 12,
+    hangup_fraction: float = 0.25,
+    max_prompt_len: int = 64,
+    max_tokens: int = 48,
+    arrival_window: float = 1.0,
+    protocols: tuple[str, ...] | None = None,
+) -> list[ClientPlan]:
+    """A crowd that disagrees about everything: lengths, sampling, streaming, arrival, hang-ups."""
+    rng = random.Random(seed)
+    hangups = set(rng.sample(range(clients), round(clients * hangup_fraction)))
+    plans = []
+    for i in range(clients):
+        sampled = rng.random() < 0.6
+        plans.append(
+            ClientPlan(
+                client_id=f"c{i:04d}",
+                arrival=round(rng.uniform(0, arrival_window), 4),
+                prompt_len=rng.randint(2, max_prompt_len),
+                max_tokens=rng.randint(1, max_tokens),
+                temperature=round(rng.uniform(0.5, 1.3), 2) if sampled else 0.0,
+                top_k=rng.choice((0, 0, 5, 40)) if sampled else 0,
+                top_p=rng.choice((1.0, 1.0, 0.9, 0.5)) if sampled else 1.0,
+                seed=rng.randrange(2**31) if sampled else None,
+                stream=rng.random() < 0.5,
+                protocol=protocols[i % len(protocols)] if protocols else None,
+                hangup_after=round(rng.uniform(0.0, 0.3), 4) if i in hangups else None,
+            )
+        )
+    return plans
+
+
+def crowd_to_json(plans: list[ClientPlan]) -> str:
+    return json.dumps([{k: v for k, v in asdict(p).items() if v is not None} for p in plans], indent=1)
+
+
+def crowd_from_json(text: str) -> list[ClientPlan]:
+    """Parse a crowd; unknown keys are an error that names them."""
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError("a crowd is a JSON list of client plans")
+    known = {f.name for f in fields(ClientPlan)}
+    plans = []
+    for i, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"crowd[{i}] must be an object")
+        unknown = set(item) - known
+        if unknown:
+            raise ValueError(f"crowd[{i}] has unknown fields: {sorted(unknown)}")
+        plans.append(ClientPlan(**item))
+    ids = [p.client_id for p in plans]
+    if len(set(ids)) != len(ids):
+        raise ValueError("client_id values in a crowd must be unique")
+    return plans
+
+
+def load_crowd(path: str | Path) -> list[ClientPlan]:
+    return crowd_from_json(Path(path).read_text())

@@ -1,0 +1,187 @@
+"""Replay a crowd through the real engine, scheduler and block manager on virtual time.
+
+Arrivals and hang-ups are events on a virtual clock; every forward advances
+the clock by its modelled cost. After the crowd has left, every client that
+completed is run again alone, and its tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import asdict, dataclass, field
+
+from pagoda.core.block_manager import AuditError
+from pagoda.core.config import EngineConfig
+from pagoda.core.engine import Engine
+from pagoda.core.request import FinishReason
+from pagoda.core.scheduler import AdmissionError
+from pagoda.simulator.clock import CostModel, TimedRunner, VirtualClock
+from pagoda.simulator.crowd import ClientPlan
+from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(num_blocks=64, block_size=16, max_running=16, max_batched_tokens=256, max_model_len=512)
+    )
+    vocab_size: int = 256
+    model_seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    audit_every_step: bool = True
+    max_steps: int = 1_000_000  # a livelock guard: a crowd that needs more steps is a bug
+
+
+@dataclass
+class ClientResult:
+    client_id: str
+    status: str = "pending"  # completed | hung_up | refused
+    finish_reason: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    ttft: float | None = None  # simulated seconds from arrival to first token
+    e2e: float | None = None  # simulated seconds from arrival to the end
+    matches_solo: bool | None = None
+    error: str | None = None
+    steps_to_release: int | None = None  # hung-up clients: steps until their blocks were back
+
+
+@dataclass
+class SimulationReport:
+    clients: int
+    completed: int
+    hung_up: int
+    refused: int
+    peak_running: int
+    preemptions: int
+    recomputed_tokens: int
+    aborted: int
+    generated_tokens: int
+    steps: int
+    simulated_seconds: float
+    pool: dict[str, int]
+    audit: str
+    matches_solo: bool
+    wall_seconds: float
+    max_steps_to_release: int
+    results: list[ClientResult]
+
+    @property
+    def ok(self) -> bool:
+        return self.audit == "ok" and self.pool["free"] == self.pool["total"] and self.matches_solo
+
+    def summary(self) -> dict:
+        """The report without per-client results (the --json shape)."""
+        out = asdict(self)
+        out.pop("results")
+        return out
+
+
+def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, check_solo: bool = True) -> SimulationReport:
+    """Run the crowd, then (optionally) every completed client alone; report what happened."""
+    config = config or SimulationConfig()
+    started = time.perf_counter()
+    run = _CrowdRun(plans, config)
+    audit = run.run()
+    matches = True
+    if check_solo:
+        for result in run.results.values():
+            if result.status == "completed":
+                solo = _CrowdRun([run.plans[result.client_id].alone()], config)
+                solo.run()
+                result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
+                matches = matches and result.matches_solo
+    engine = run.engine
+    stats = engine.stats()
+    results = list(run.results.values())
+    return SimulationReport(
+        clients=len(plans),
+        completed=sum(r.status == "completed" for r in results),
+        hung_up=sum(r.status == "hung_up" for r in results),
+        refused=sum(r.status == "refused" for r in results),
+        peak_running=stats["peak_running"],
+        preemptions=stats["preemptions_total"],
+        recomputed_tokens=stats["recomputed_tokens_total"],
+        aborted=stats["aborted_total"],
+        generated_tokens=stats["generated_tokens_total"],
+        steps=run.steps,
+        simulated_seconds=round(run.clock.now, 6),
+        pool={"total": stats["kv_blocks_total"], "free": stats["kv_blocks_free"]},
+        audit=audit,
+        matches_solo=matches,
+        wall_seconds=round(time.perf_counter() - started, 3),
+        max_steps_to_release=max((r.steps_to_release or 0 for r in results), default=0),
+        results=results,
+    )
+
+
+class _CrowdRun:
+    """One pass of a crowd through a fresh engine."""
+
+    def __init__(self, plans: list[ClientPlan], config: SimulationConfig) -> None:
+        self.config = config
+        self.plans = {p.client_id: p for p in plans}
+        self.clock = VirtualClock()
+        ec = config.engine
+        runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
+        self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,))
+        self.results = {p.client_id: ClientResult(p.client_id) for p in plans}
+        # events: (time, order, kind, client_id); arrivals sort before hang-ups at the same instant
+        self.events = [(p.arrival, 0, "arrive", p.client_id) for p in plans]
+        self.events += [(p.arrival + p.hangup_after, 1, "hangup", p.client_id) for p in plans if p.hangup_after is not None]
+        heapq.heapify(self.events)
+        self.releasing: dict[str, int] = {}  # hung-up client -> steps since the hang-up
+        self.steps = 0
+
+    def run(self) -> str:
+        """Drive events and steps until the crowd has left; returns "ok" or what the audit found."""
+        try:
+            while self.events or self.engine.has_unfinished():
+                if not self.engine.has_unfinished():
+                    self.clock.advance_to(self.events[0][0])
+                self._fire_due_events()
+                if self.engine.has_unfinished():
+                    self._step()
+            self.engine.audit()
+        except AuditError as exc:
+            return str(exc)
+        return "ok"
+
+    def _fire_due_events(self) -> None:
+        while self.events and self.events[0][0] <= self.clock.now:
+            _, _, kind, client_id = heapq.heappop(self.events)
+            result = self.results[client_id]
+            if kind == "arrive":
+                self._arrive(self.plans[client_id], result)
+            elif result.status == "pending":  # a hang-up after the end changes nothing
+                result.status = "hung_up"
+                self.engine.abort(client_id)
+                self.releasing[client_id] = 0
+
+    def _arrive(self, plan: ClientPlan, result: ClientResult) -> None:
+        try:
+            prompt = plan.prompt_token_ids(self.config.vocab_size)
+            self.engine.add_request(plan.client_id, prompt, plan.sampling_params(), arrival_time=self.clock.now)
+        except AdmissionError as exc:
+            result.status, result.error = "refused", str(exc)
+
+    def _step(self) -> None:
+        self.steps += 1
+        if self.steps > self.config.max_steps:
+            raise RuntimeError(f"crowd did not drain in {self.config.max_steps} steps")
+        for out in self.engine.step():
+            plan, result = self.plans[out.request_id], self.results[out.request_id]
+            if out.new_token_ids and result.status == "pending":
+                result.output_token_ids += out.new_token_ids
+                if result.ttft is None:
+                    result.ttft = round(self.clock.now - plan.arrival, 6)
+            if out.finished and out.finish_reason is not FinishReason.ABORT:
+                result.status = "completed" if out.finish_reason is not FinishReason.ERROR else "failed"
+                result.finish_reason = out.finish_reason.value
+                result.e2e = round(self.clock.now - plan.arrival, 6)
+        for client_id in list(self.releasing):
+            self.releasing[client_id] += 1
+            if not self.engine.block_manager.block_table(client_id):
+                self.results[client_id].steps_to_release = self.releasing.pop(client_id)
+        if self.config.audit_every_step:
+            self.engine.audit()

@@ -1,0 +1,8 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+# `make test` runs the CI profile; HYPOTHESIS_PROFILE=deep runs thousands of crowds.
+settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

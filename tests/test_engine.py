@@ -1,0 +1,130 @@
+import pytest
+
+from pagoda.core.model_runner import RunnerOutput
+from pagoda.core.request import FinishReason
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.core.scheduler import KVCacheExhausted
+from tests.core_helpers import drain, fake_engine, tokens
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def test_generates_to_max_tokens_and_frees_the_pool():
+    engine = fake_engine()
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    outs = drain(engine)["a"]
+    assert len(tokens(outs)) == 6
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+    assert outs[-1].num_output_tokens == 6 and outs[-1].num_prompt_tokens == 3
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["generated_tokens_total"], stats["requests_total"]) == (0, 0, 6, 1)
+
+
+def test_abort_is_applied_at_the_top_of_the_next_step():
+    engine = fake_engine()
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    engine.step()
+    assert engine.block_manager.block_table("a")
+    engine.abort("a")
+    engine.abort("nobody")  # unknown ids are a no-op
+    assert engine.block_manager.block_table("a")  # marked, not yet applied
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason is FinishReason.ABORT and out.new_token_ids == []
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    assert engine.stats()["aborted_total"] == 1 and not engine.has_unfinished()
+    engine.audit()
+
+
+def test_abort_of_a_waiting_request():
+    engine = fake_engine(max_running=1)
+    engine.add_request("a", [1, 2], GREEDY)
+    engine.add_request("b", [1, 2], GREEDY)
+    engine.step()
+    engine.abort("b")
+    outs = drain(engine)
+    assert outs["b"][0].finish_reason is FinishReason.ABORT
+    assert outs["a"][-1].num_output_tokens == 6 and outs["a"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_and_eos_and_ignore_eos():
+    engine = fake_engine()
+    engine.add_request("probe", [1, 2, 3], GREEDY)
+    first = tokens(drain(engine)["probe"])
+    second_token = first[1]
+    engine.add_request("stop", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, stop_token_ids=(second_token,)))
+    outs = drain(engine)["stop"]
+    assert tokens(outs) == first[:2] and outs[-1].finish_reason is FinishReason.STOP
+    assert outs[-1].stop_reason == second_token
+    eos_engine = fake_engine()
+    eos_engine.eos_token_ids = frozenset({second_token})
+    eos_engine.add_request("eos", [1, 2, 3], GREEDY)
+    eos_engine.add_request("ignore", [1, 2, 3], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs = drain(eos_engine)
+    assert tokens(outs["eos"]) == first[:2] and outs["eos"][-1].finish_reason is FinishReason.STOP
+    assert outs["eos"][-1].stop_reason is None
+    assert tokens(outs["ignore"]) == first
+
+
+def test_admission_errors_leave_nothing_behind():
+    engine = fake_engine(num_blocks=2, block_size=4)
+    with pytest.raises(KVCacheExhausted):
+        engine.add_request("a", [1] * 8, GREEDY)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("b", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("c", [1, 64], GREEDY)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request("d", [1], SamplingParams(stop=("x",)))
+    engine.add_request("e", [1], GREEDY)
+    with pytest.raises(ValueError, match="already live"):
+        engine.add_request("e", [1], GREEDY)
+    assert list(engine.requests) == ["e"] and engine.stats()["requests_total"] == 1
+
+
+def test_a_failed_model_step_fails_its_requests_and_the_engine_keeps_serving():
+    engine = fake_engine()
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch) -> RunnerOutput:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device fell over")
+        return real_execute(batch)
+
+    engine.runner.execute = flaky
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    outs = drain(engine)["a"]
+    assert outs[-1].finish_reason is FinishReason.ERROR and "device fell over" in outs[-1].error
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    engine.add_request("b", [1, 2, 3], GREEDY)
+    assert drain(engine)["b"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_is_private_to_the_request():
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234)
+    alone = fake_engine()
+    alone.add_request("x", [5, 6, 7], params)
+    solo = tokens(drain(alone)["x"])
+    crowd = fake_engine(num_blocks=64)
+    for i in range(5):
+        crowd.add_request(f"o{i}", [i + 1] * (i + 2), SamplingParams(max_tokens=9, temperature=1.0, seed=i))
+    crowd.add_request("x", [5, 6, 7], params)
+    assert tokens(drain(crowd)["x"]) == solo
+
+
+def test_preempted_request_continues_exactly_as_alone():
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s) for s in range(4)]
+    prompts = [[i + 1] * (3 + i) for i in range(4)]
+    solo = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine = fake_engine(num_blocks=32)
+        engine.add_request(str(i), prompt, p)
+        solo.append(tokens(drain(engine)[str(i)]))
+    tight = fake_engine(num_blocks=8, block_size=4)  # 32 slots for ~4 x 25: must preempt
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        tight.add_request(str(i), prompt, p)
+    outs = drain(tight)
+    assert tight.stats()["preemptions_total"] > 0 and tight.stats()["recomputed_tokens_total"] > 0
+    assert [tokens(outs[str(i)]) for i in range(4)] == solo
