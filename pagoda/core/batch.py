@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pagoda.core.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     start: int  # position of the first new token == tokens already cached

@@ -64,7 +64,7 @@ class BlockManager:
                 f"allocate({request_id!r}, {num_tokens}) needs {missing} blocks, {len(self._free)} free"
             )
         table = self._tables.setdefault(request_id, [])
-        for _ in range(missing):
+        for _ in range(missing):  # usually zero or one
             block_id = self._free.popleft()
             assert self._ref_counts[block_id] == 0, f"free block {block_id} has references"
             self._ref_counts[block_id] = 1
@@ -84,7 +84,9 @@ class BlockManager:
         return returned
 
     def _missing_blocks(self, request_id: str, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(request_id, ())))
+        # Called twice per request per step (check, then act): kept to plain arithmetic.
+        table = self._tables.get(request_id)
+        return max(0, (num_tokens + self.block_size - 1) // self.block_size - (len(table) if table else 0))
 
     # -- the one place the invariants are checked ----------------------
     def audit(self, computed_tokens: Mapping[str, int]) -> None:

@@ -30,6 +30,7 @@ class ClientPlan:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
     stream: bool = False
     protocol: str | None = None  # live runs: one of PROTOCOLS
     hangup_after: float | None = None  # seconds after arrival; None = stays
@@ -45,7 +46,8 @@ class ClientPlan:
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            ignore_eos=self.ignore_eos,
         )
 
     def prompt_token_ids(self, vocab_size: int) -> list[int]:

@@ -12,6 +12,8 @@ its solo run, or as a read of a never-written slot, which raises.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from pagoda.core.batch import SchedulerOutput
@@ -24,27 +26,35 @@ class FakeModelRunner:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 256, seed: int = 0, eos_bias: float = 2.0):
         self.vocab_size = vocab_size
         self.block_size = block_size
-        self.cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)  # token id per slot
-        g = torch.Generator().manual_seed(seed)
-        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 2.5  # [context key, vocab]
-        self.table[:, EOS_TOKEN_ID] += eos_bias - 2.0  # EOS likely enough that some requests stop early
-        self._offsets = torch.arange(block_size)
+        self.cache = [-1] * (num_blocks * block_size)  # the token id stored in each slot
+        self.table = _logit_table(vocab_size, seed, eos_bias)  # [context key, vocab], read only
 
-    def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        blocks = torch.tensor(block_table, dtype=torch.long)
-        return (blocks[:, None] * self.block_size + self._offsets).flatten()[start:end]
+    def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Write each chunk's tokens into its slots, then read each sampling row's whole context back."""
+        cache = self.cache
         for chunk in batch.chunks:
-            slots = self._slots(chunk.block_table, chunk.start, chunk.end)
-            self.cache[slots] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        rows = []
+            for slot, token in zip(self._slots(chunk.block_table, chunk.start, chunk.end), chunk.token_ids):
+                cache[slot] = token
+        last, key = [], []
         for chunk in batch.sample_chunks:
-            context = self.cache[self._slots(chunk.block_table, 0, chunk.end)]
-            if bool((context < 0).any()):
+            context = [cache[slot] for slot in self._slots(chunk.block_table, 0, chunk.end)]
+            if min(context) < 0:
                 raise RuntimeError(f"request {chunk.request.request_id} read a KV slot that was never written")
-            key = (int(context.sum()) * 31 + chunk.end) % self.vocab_size
-            rows.append(self.table[int(context[-1])] + self.table[key])
-        logits = torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
-        return RunnerOutput(logits=logits)
+            last.append(context[-1])
+            key.append((sum(context) * 31 + chunk.end) % self.vocab_size)
+        if not last:
+            return RunnerOutput(logits=torch.empty(0, self.vocab_size))
+        return RunnerOutput(logits=self.table[torch.tensor(last)] + self.table[torch.tensor(key)])
+
+
+@lru_cache(maxsize=8)
+def _logit_table(vocab_size: int, seed: int, eos_bias: float) -> torch.Tensor:
+    """The fake model's "weights": a fixed random table (shared by every run with the same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(vocab_size, vocab_size, generator=g) * 2.5
+    table[:, EOS_TOKEN_ID] += eos_bias - 2.0  # EOS likely enough that some requests stop early
+    return table

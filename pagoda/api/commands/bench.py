@@ -1,0 +1,26 @@
+"""`pagoda bench NAME`: benchmarks live beside the code they measure; this only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> module with `main(argv) -> int`
+BENCHMARKS = {
+    "scheduler": "pagoda.simulator.bench",
+    "kernels": "pagoda.kernels.bench",
+    "offline": "pagoda.core.model.bench",
+    "disconnect": "pagoda.api.bench_disconnect",
+    "crowd": "pagoda.api.bench_crowd",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options passed to that benchmark (see --help after the name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(BENCHMARKS[args.name]).main(args.args) or 0)
