@@ -6,3 +6,6 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Session fixtures for the default model (imported once per session into $PAGODA_HOME or a tmp dir).
+pytest_plugins = ["tests.model_fixtures"]

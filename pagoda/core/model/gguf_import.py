@@ -164,7 +164,9 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.importing-", dir=out_dir.parent))
     try:
         # One step per tensor, plus writing the weights and building the tokenizer.
-        bar = tqdm(total=len(reader.tensors) + 2, desc=f"Importing {gguf_path.name}", unit="step", file=sys.stderr, disable=not progress)
+        bar = tqdm(
+            total=len(reader.tensors) + 2, desc=f"Importing {gguf_path.name}", unit="step", file=sys.stderr, disable=not progress
+        )
         with bar:
             tensors: dict[str, np.ndarray] = {}
             for tensor in reader.tensors:

@@ -98,9 +98,13 @@ def _post_processor(tok: Tokenizer, bos: str | None, eos: str | None) -> process
     """Adds BOS/EOS on encode(add_special_tokens=True) when the file asks for them."""
     if bos is None and eos is None:
         return processors.ByteLevel(trim_offsets=False)
+
+    def framed(seq: str, type_id: int) -> list[str]:
+        return ([f"{bos}:{type_id}"] if bos else []) + [f"${seq}:{type_id}"] + ([f"{eos}:{type_id}"] if eos else [])
+
     edge_tokens = [t for t in (bos, eos) if t is not None]
-    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-    pair = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
     return processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in edge_tokens]
+        single=" ".join(framed("A", 0)),
+        pair=" ".join(framed("A", 0) + framed("B", 1)),
+        special_tokens=[(t, tok.token_to_id(t)) for t in edge_tokens],
     )
