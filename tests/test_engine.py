@@ -128,3 +128,38 @@ def test_preempted_request_continues_exactly_as_alone():
     outs = drain(tight)
     assert tight.stats()["preemptions_total"] > 0 and tight.stats()["recomputed_tokens_total"] > 0
     assert [tokens(outs[str(i)]) for i in range(4)] == solo
+
+
+class ScriptedRunner:
+    """Emits a fixed token sequence: the token at output position i is script[i]."""
+
+    def __init__(self, script, vocab_size):
+        self.script, self.vocab_size = script, vocab_size
+
+    def execute(self, batch):
+        import torch
+
+        rows = []
+        for chunk in batch.sample_chunks:
+            row = torch.zeros(self.vocab_size)
+            row[self.script[chunk.request.num_output_tokens]] = 10.0
+            rows.append(row)
+        return RunnerOutput(logits=torch.stack(rows))
+
+
+def test_stop_string_across_tokens_ends_with_text_before_it(default_tokenizer):
+    from pagoda.core.config import EngineConfig
+    from pagoda.core.engine import Engine
+
+    tok = default_tokenizer
+    script = tok.encode("The answer is forty-two. Done here.", add_special_tokens=False)
+    engine = Engine(ScriptedRunner(script, tok.vocab_size), EngineConfig(num_blocks=8, block_size=16), tokenizer=tok)
+    engine.add_request("a", tok.encode("Q", add_special_tokens=False), SamplingParams(max_tokens=30, temperature=0, stop=("two. D",)))
+    outs = drain(engine)["a"]
+    text = "".join(o.new_text for o in outs)
+    assert text == "The answer is forty-"
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == "two. D"
+    assert len(tokens(outs)) < len(script)  # it stopped early, mid-script
+    engine.add_request("b", [1], SamplingParams(max_tokens=len(script), temperature=0))
+    outs = drain(engine)["b"]
+    assert "".join(o.new_text for o in outs) == tok.decode(script) and outs[-1].finish_reason is FinishReason.LENGTH
