@@ -7,5 +7,6 @@ settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_
 settings.register_profile("deep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# Session fixtures for the default model (imported once per session into $PAGODA_HOME or a tmp dir).
-pytest_plugins = ["tests.model_fixtures"]
+# Session fixtures for the default model (imported once per session into $PAGODA_HOME or a tmp dir)
+# and live servers (real uvicorn on 127.0.0.1, port 0).
+pytest_plugins = ["tests.model_fixtures", "tests.server_fixtures"]

@@ -1,0 +1,97 @@
+"""`pagoda generate PROMPT`: offline generation on the local model, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt on the local model")
+    p.add_argument("prompt", help="the user message (or, with --raw, the text to continue)")
+    p.add_argument("--model", default="default", help="'default' (the embedded model) or a Hugging Face directory")
+    p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda.core.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        engine, tokenizer, prompt_ids = _build(args, params)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagoda generate: {exc}", file=sys.stderr)
+        return 2
+    engine.add_request("generate", prompt_ids, params)
+    start = time.perf_counter()
+    first_token_at = None
+    num_tokens = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                print(f"\npagoda generate: the model step failed: {out.error}", file=sys.stderr)
+                return 1
+            if out.new_token_ids and first_token_at is None:
+                first_token_at = time.perf_counter()
+            num_tokens += len(out.new_token_ids)
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    _report(num_tokens, len(prompt_ids), start, first_token_at or end, end)
+    return 0
+
+
+def _build(args: argparse.Namespace, params):
+    """Load the model and tokenizer; an Engine whose pool holds exactly this one request."""
+    from pagoda.core.config import EngineConfig
+    from pagoda.core.engine import Engine
+    from pagoda.core.model.hub import resolve_model
+    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.core.model.runner import TorchModelRunner
+    from pagoda.core.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if args.raw or not tokenizer.has_chat_template:
+        if not args.raw:
+            print("pagoda generate: the model has no chat template; using the prompt as plain text", file=sys.stderr)
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    total = len(prompt_ids) + params.max_tokens
+    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=total)
+    if total > model_config.max_position_embeddings:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                         f"context of {model_config.max_position_embeddings} tokens")
+    num_blocks = -(-total // args.block_size)
+    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=args.block_size)
+    config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_running=1,
+                          max_batched_tokens=max(512, args.block_size), max_model_len=total)
+    eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
+    return Engine(runner, config, eos_token_ids=eos, tokenizer=tokenizer), tokenizer, prompt_ids
+
+
+def _report(num_tokens: int, num_prompt: int, start: float, first: float, end: float) -> None:
+    decode_time = end - first
+    rate = (num_tokens - 1) / decode_time if num_tokens > 1 and decode_time > 0 else float("nan")
+    print(
+        f"{num_tokens} tokens in {end - start:.2f} s: {rate:.1f} tokens/s decoding; "
+        f"prompt {num_prompt} tokens, first token after {first - start:.2f} s",
+        file=sys.stderr,
+    )

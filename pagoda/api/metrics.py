@@ -1,0 +1,135 @@
+"""Prometheus metrics of one server, in its own registry (so that many servers share a process).
+
+Latencies and token counts are observed per request, as its outputs pass
+through `observe`. Queue sizes, the KV pool and the engine's counters are read
+from the engine loop's stats when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
+from pagoda.core.engine import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class AccessRecord:
+    """What the access log says about one request besides method, path, status and time."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Why the request ended early, if it did. The consumer of `Metrics.observe` sets it before
+    # closing the outputs for a reason of its own (e.g. "error"); a cancelled or closed request
+    # is otherwise "client_disconnect", which is logged as 499 even after a stream's 200 went out.
+    abort_reason: str | None = None
+
+    @property
+    def client_gone(self) -> bool:
+        return self.abort_reason == "client_disconnect"
+
+
+class EngineCollector(Collector):
+    """Gauges and counters from the engine loop's latest stats (set just before each scrape)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats
+        if not s:
+            return
+        yield _gauge("pagoda_requests_running", "Requests running in the scheduler now.", s["running"])
+        yield _gauge("pagoda_requests_waiting", "Requests waiting in the scheduler now.", s["waiting"])
+        yield _gauge("pagoda_kv_blocks_total", "KV cache blocks in the pool.", s["kv_blocks_total"])
+        yield _gauge("pagoda_kv_blocks_free", "KV cache blocks free now.", s["kv_blocks_free"])
+        used = 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"] if s["kv_blocks_total"] else 0.0
+        yield _gauge("pagoda_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used)
+        yield _counter("pagoda_preemptions", "Requests preempted (KV freed, recomputed later).", s["preemptions_total"])
+        yield _counter("pagoda_recomputed_tokens", "Tokens recomputed after preemption.", s["recomputed_tokens_total"])
+        yield _counter("pagoda_engine_requests", "Requests the engine admitted.", s["requests_total"])
+        yield _counter("pagoda_engine_aborted_requests", "Requests the engine aborted.", s["aborted_total"])
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """The metrics of one server."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pagoda_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("pagoda_inter_token_latency_seconds", "Time between two tokens of a request.",
+                                     buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagoda_e2e_request_latency_seconds", "Time from arrival to a finished request's end.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("pagoda_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("pagoda_requests_finished", "Requests that ran to their end, by finish reason.",
+                                ["reason"], registry=r)
+        self.aborted = Counter("pagoda_requests_aborted", "Requests that ended early, by reason.", ["reason"],
+                               registry=r)
+        self.engine = EngineCollector()
+        r.register(self.engine)
+
+    def render(self, stats: dict[str, int]) -> bytes:
+        """The Prometheus text exposition, with the engine's numbers as of `stats`."""
+        self.engine.stats = stats
+        return generate_latest(self.registry)
+
+    async def observe(self, outputs: AsyncIterator[RequestOutput],
+                      record: AccessRecord) -> AsyncIterator[RequestOutput]:
+        """Pass a request's outputs through, timing them; an early end is counted by its reason."""
+        start = last = time.monotonic()
+        finished = False
+        async with contextlib.aclosing(outputs):
+            try:
+                async for out in outputs:
+                    now = time.monotonic()
+                    if record.completion_tokens == 0 and out.new_token_ids:
+                        self.ttft.observe(now - start)
+                        self.prompt_tokens.inc(out.num_prompt_tokens)
+                    elif out.new_token_ids:
+                        self.inter_token.observe(now - last)
+                    last = now
+                    self.generation_tokens.inc(len(out.new_token_ids))
+                    record.prompt_tokens, record.completion_tokens = out.num_prompt_tokens, out.num_output_tokens
+                    if out.finished:
+                        finished = True
+                        self.e2e.observe(now - start)
+                        self.finished.labels(reason=out.finish_reason.value).inc()
+                    yield out
+            except (asyncio.CancelledError, GeneratorExit):
+                if not finished:
+                    self._aborted(record, record.abort_reason or "client_disconnect")
+                raise
+            except (RequestAborted, EngineDeadError):
+                self._aborted(record, "server")
+                raise
+            except GenerationError:
+                self._aborted(record, "model_error")
+                raise
+            # Anything else came from admission: a refused request is not an aborted one.
+
+    def _aborted(self, record: AccessRecord, reason: str) -> None:
+        record.abort_reason = reason
+        self.aborted.labels(reason=reason).inc()

@@ -1,0 +1,64 @@
+"""From `--model default|PATH` and the engine options to an Engine and its Tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagoda.core.config import EngineConfig
+from pagoda.core.engine import Engine
+from pagoda.core.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagoda.api")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The model and engine options of `pagoda serve` (None = decided from the model and memory)."""
+
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_running: int = 64
+    max_batched_tokens: int = 512
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_running", "max_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engine, Tokenizer, Path]:
+    """Load the model directory and make an Engine over it; returns (engine, tokenizer, model_dir)."""
+    from pagoda.core.model.config import ModelConfig
+    from pagoda.core.model.hub import resolve_model
+    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.core.model.runner import TorchModelRunner, auto_num_blocks
+
+    model_dir = resolve_model(options.model, progress=progress)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    context = ModelConfig.from_file(model_dir).max_position_embeddings
+    if options.max_model_len is not None and options.max_model_len > context:
+        raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
+    max_model_len = options.max_model_len or context
+    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len)
+    num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, dtype, device,
+                                                       max_model_len=max_model_len)
+    config = EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
+                          max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len)
+    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=options.block_size)
+    eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
+    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, context %d",
+                model_dir, device, str(dtype).removeprefix("torch."), num_blocks, options.block_size, max_model_len)
+    return Engine(runner, config, eos_token_ids=eos, tokenizer=tokenizer), tokenizer, model_dir

@@ -1,0 +1,296 @@
+"""The engine on its own thread; asyncio callers talk to it through queues.
+
+Design note. One thread (the loop thread) owns the `Engine` and is the only
+one that touches it: adding requests, applying aborts, stepping, reading
+stats, auditing. Callers on an asyncio event loop send it commands through a
+lock-protected deque and get answers back through futures; step outputs go to
+each request's `asyncio.Queue` via `call_soon_threadsafe`. When there is no
+work and no command the loop thread sleeps on a condition variable, so an idle
+server costs nothing.
+
+Questions about the engine's state (`stats`, `audit`, `wait_until_idle`) are
+commands too, answered by the loop thread between two steps. An abort is
+queued and applied at the next step, so reading the pool from another thread
+right after a caller left races that step; asking the loop thread does not.
+
+The abort of a request lives in one place: the `finally` of `generate`. A
+caller that stops consuming before the request finished (the task is
+cancelled, the iterator is closed or dropped, an exception escapes) aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.core.engine import Engine, RequestOutput
+from pagoda.core.request import FinishReason
+from pagoda.core.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagoda.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, stopped, or crashed)."""
+
+
+class GenerationError(RuntimeError):
+    """The model step running this request failed; the request has ended."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted by the server (e.g. at shutdown), not by its caller."""
+
+
+@dataclass
+class _Command:
+    """Work for the loop thread; `answer` (if any) gets its result or exception."""
+
+    fn: Callable[[], Any]
+    answer: concurrent.futures.Future[Any] | None = None
+
+    def run(self) -> None:
+        if self.answer is None:
+            self.fn()
+            return
+        if not self.answer.set_running_or_notify_cancel():
+            return  # the caller stopped waiting before the loop got to it
+        try:
+            result = self.fn()
+        except Exception as exc:  # AdmissionError, AuditError, ...: raised in the caller
+            self.answer.set_exception(exc)
+        else:
+            self.answer.set_result(result)
+
+
+class _Sink:
+    """Where the loop thread delivers one request's outputs: an asyncio queue on the caller's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+
+class AsyncEngine:
+    """Runs an `Engine` on a dedicated thread; `generate` streams each request's outputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None  # why the loop died, if it did
+        # Owned by the loop thread only:
+        self._sinks: dict[str, _Sink] = {}
+        self._idle_waiters: list[concurrent.futures.Future[None]] = []
+        self.num_wakeups = 0  # loop iterations; lets tests see that an idle loop sleeps
+
+    # -- lifecycle -----------------------------------------------------
+    def start(self) -> None:
+        """Start the loop thread (once)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop was already started")
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort every live request, stop the loop thread and wait for it (blocking)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    # -- requests ------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as the engine makes them; the last one is finished.
+
+        Admission errors (AdmissionError, ValueError) are raised before the first output.
+        A failed model step raises GenerationError; a server-side abort raises RequestAborted.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        sink = _Sink(asyncio.get_running_loop())
+        prompt = list(prompt_token_ids)
+        admitted = self._submit(lambda: self._add(request_id, prompt, sampling_params, sink), answer=True)
+        finished = False
+        try:
+            await asyncio.wrap_future(admitted)
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the loop died; nothing left to abort
+                    raise item
+                finished = item.finished
+                if item.finish_reason is FinishReason.ERROR:
+                    raise GenerationError(item.error or "the model step failed")
+                if item.finish_reason is FinishReason.ABORT:
+                    raise RequestAborted(f"request {request_id} was aborted by the server")
+                yield item
+        finally:
+            # Every way out before the end (cancel, close, exception) aborts the request.
+            if not finished and not _refused(admitted):
+                self._submit_quietly(lambda: self._abort(request_id))
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink) -> None:
+        self.engine.add_request(request_id, prompt, params)  # raises for a request it refuses
+        self._sinks[request_id] = sink
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)  # the caller is gone: its abort output goes nowhere
+        self.engine.abort(request_id)
+
+    # -- questions answered by the loop thread -------------------------
+    async def stats(self) -> dict[str, int]:
+        """The engine's counters and queue sizes, read between two steps."""
+        return await self._ask(self.engine.stats)
+
+    async def audit(self) -> None:
+        """Run the engine's ledger audit between two steps (raises AuditError)."""
+        await self._ask(self.engine.audit)
+
+    async def wait_until_idle(self) -> None:
+        """Return once no request is waiting, running or pending abort."""
+        idle: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def park() -> None:
+            if self.engine.has_unfinished():
+                self._idle_waiters.append(idle)
+            else:
+                _settle(idle, None)
+
+        self._submit(park)
+        await asyncio.wrap_future(idle)
+
+    async def _ask(self, question: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(question, answer=True))
+
+    # -- talking to the loop thread ------------------------------------
+    def _submit(self, fn: Callable[[], Any], *, answer: bool = False) -> concurrent.futures.Future[Any] | None:
+        command = _Command(fn, concurrent.futures.Future() if answer else None)
+        with self._cond:
+            if self._failure is not None:
+                raise EngineDeadError(f"the engine loop crashed: {self._failure!r}")
+            if self._thread is None or self._stopping:
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.append(command)
+            self._cond.notify()
+        return command.answer
+
+    def _submit_quietly(self, fn: Callable[[], Any]) -> None:
+        # From a `finally`: with the loop gone there is nothing to abort.
+        try:
+            self._submit(fn)
+        except EngineDeadError:
+            pass
+
+    # -- the loop thread -----------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._turn():
+                pass
+            self._shutdown()
+        except BaseException as exc:  # a bug in the engine: fail every caller instead of hanging them
+            logger.exception("the engine loop crashed")
+            with self._cond:
+                self._failure = exc
+                pending = list(self._commands)
+                self._commands.clear()
+            error = EngineDeadError(f"the engine loop crashed: {exc!r}")
+            for command in pending:
+                if command.answer is not None:
+                    _settle(command.answer, error, failed=True)
+            self._fail_everyone(error)
+
+    def _turn(self) -> bool:
+        """Run queued commands, then one step if there is work; False once stopping."""
+        with self._cond:
+            while not self._commands and not self._stopping and not self.engine.has_unfinished():
+                self._cond.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+            stopping = self._stopping
+        self.num_wakeups += 1
+        for command in commands:
+            command.run()
+        if stopping:
+            return False
+        if self.engine.has_unfinished():
+            self._deliver(self.engine.step())
+        if self._idle_waiters and not self.engine.has_unfinished():
+            for waiter in self._idle_waiters:
+                _settle(waiter, None)
+            self._idle_waiters.clear()
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its request's queue (a finished request's sink is dropped)."""
+        items = []
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                items.append((sink, out))
+        _post(items)
+
+    def _shutdown(self) -> None:
+        """Abort what is live so that its callers hear about it, then fail whoever still waits."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        if self.engine.has_unfinished():
+            self._deliver(self.engine.step())
+        self._fail_everyone(EngineDeadError("the engine loop stopped"))
+
+    def _fail_everyone(self, error: BaseException) -> None:
+        for waiter in self._idle_waiters:
+            _settle(waiter, error, failed=True)
+        self._idle_waiters.clear()
+        sinks, self._sinks = self._sinks, {}
+        _post([(sink, error) for sink in sinks.values()])
+
+
+def _post(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+    """Put items on their sinks' queues: one thread hop per event loop, not per item."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput | BaseException]]] = {}
+    for sink, item in items:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: its callers are gone
+            pass
+
+
+def _put_all(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+    for sink, item in items:
+        sink.queue.put_nowait(item)
+
+
+def _settle(future: concurrent.futures.Future[Any], value: Any, *, failed: bool = False) -> None:
+    """Resolve a future the caller may have cancelled meanwhile."""
+    if future.done():
+        return
+    try:
+        if failed:
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _refused(admitted: concurrent.futures.Future[None]) -> bool:
+    """True when the engine refused the request (so there is nothing to abort)."""
+    return admitted.done() and not admitted.cancelled() and admitted.exception() is not None

@@ -1,0 +1,354 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch.
+
+There is no batch axis and no padding to the longest sequence: one step's new
+tokens of every sequence are concatenated into one axis of T rows. Attention
+is the only operation that needs to know where one sequence ends and the next
+begins; it reads that from `AttentionMetadata` and reads earlier tokens' K/V
+from the paged cache, after this step's K/V were written there.
+
+The input may carry extra trailing rows (`StepContext.num_tokens` < rows):
+they run through the linear layers and nothing else, so that matrix products
+always see a row count the caller chose (see `runner.py` on batch invariance).
+
+Weights are named as in Hugging Face checkpoints, except that q/k/v and
+gate/up are stored stacked (`qkv_proj`, `gate_up_proj`): one matrix product
+instead of three or two. `load_weights` maps the checkpoint's names.
+
+`reference_forward` is the plain path beside the paged one: dense causal
+attention over one sequence, used by tests as the oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagoda.core.model.config import ModelConfig
+
+
+@dataclass
+class StepContext:
+    """What attention needs for one forward besides the hidden states."""
+
+    meta: Any  # pagoda.kernels.AttentionMetadata for the first `num_tokens` rows
+    kv_caches: list[tuple[Tensor, Tensor]]  # per layer (k, v), each [num_blocks, block_size, n_kv_heads, head_dim]
+    backend: Any  # pagoda.kernels.AttentionBackend
+    num_tokens: int  # real rows; rows beyond are padding
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """How every linear layer multiplies, and the row multiple that keeps a row's bits batch invariant.
+
+    The caller pads the rows of a forward to a multiple of `row_multiple`;
+    for those row counts the kernel gives each row the same bits whatever
+    the other rows are (measured by tests/test_llama.py on the machine that
+    runs them). `row_multiple` 1 claims nothing.
+    """
+
+    name: str
+    row_multiple: int
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
+
+def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+# oneDNN's fp32 matmul takes one path for every row count >= 2 (1 row is a
+# matrix-vector product with other rounding), and streams the weights faster
+# than MKL sgemm for the few-row products of decoding.
+ONEDNN = MatmulKernel("onednn", 2, _onednn_linear)
+# MKL sgemm computes rows in groups of four; a row in a remainder group (or a
+# lone row) takes another path. Padding to four rows is slower than oneDNN.
+MKL_PADDED = MatmulKernel("mkl", 4, F.linear)
+PLAIN = MatmulKernel("torch", 1, F.linear)  # GPUs, and CPU runs that opt out of invariance
+
+
+def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
+    """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
+    kernels = {k.name: k for k in (ONEDNN, MKL_PADDED, PLAIN)}
+    if name is not None:
+        if name not in kernels:
+            raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")
+        return kernels[name]
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return PLAIN
+    return ONEDNN if _has_onednn_linear() else MKL_PADDED
+
+
+def _has_onednn_linear() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _onednn_linear(torch.zeros(2, 4), torch.zeros(3, 4), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product runs on the model's MatmulKernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, matmul: MatmulKernel, **factory: Any) -> None:
+        super().__init__(in_features, out_features, bias=bias, **factory)
+        self.matmul = matmul
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, H]. Statistics in float32 whatever the weights' dtype.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] (float32), with Llama 3 scaling if configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3: frequencies whose wavelength exceeds the original context are
+    # slowed by `factor`, short wavelengths are kept, and the band between is
+    # interpolated linearly in (context / wavelength).
+    wavelen = 2 * math.pi / inv_freq
+    long_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    short_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > long_wavelen, inv_freq / s.factor, inv_freq)
+    mix = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - mix) * scaled / s.factor + mix * scaled
+    in_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor]:
+    """cos and signed sin tables [max_positions, head_dim] in float32.
+
+    Rotate-half convention: out = x * cos + cat(x2, x1) * sin_signed, where
+    sin_signed = cat(-sin, sin) carries rotate_half's negation (exact in IEEE).
+    """
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * rope_inv_freq(config)[None, :]  # [P, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x: [T, heads, D]; cos, sin_signed: [T, D] -> [T, heads, D]."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), -1)
+    return x * cos[:, None, :] + swapped * sin_signed[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, matmul, **factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, matmul, **factory)
+
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [Tp, H] -> q [n, nh, D], k and v [n, nkv, D] for the first n = len(cos) rows.
+        # The projection runs over all Tp rows: its row count is what keeps it batch invariant.
+        t = cos.shape[0]
+        qkv = self.qkv_proj(x)[:t]
+        # q and k heads are adjacent columns: rotate them in one pass.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
+        # x: [Tp, H], of which the first n rows are real; cos, sin: [n, D]
+        n = ctx.num_tokens
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache, v_cache = kv_cache
+        ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
+        out = ctx.backend.attention(q.contiguous(), k_cache, v_cache, ctx.meta, self.scale)  # [n, nh, D]
+        out = out.reshape(n, self.q_size)
+        if x.shape[0] > n:  # padding rows carry zeros into o_proj
+            out = torch.cat((out, out.new_zeros(x.shape[0] - n, self.q_size)))
+        return self.o_proj(out)
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Plain causal attention over one whole sequence x [T, H] (the test oracle)."""
+        q, k, v = self._qkv(x, cos, sin)
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        # SDPA wants [heads, T, D]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, matmul, **factory)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, matmul, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, H] -> gate, up: [T, I] -> [T, H]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.self_attn = Attention(config, matmul, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.mlp = MLP(config, matmul, **factory)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, layers and final norm: named like HF's `model.*`."""
+
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, matmul, **factory) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, *, matmul: MatmulKernel = PLAIN,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.config = config
+        self.matmul = matmul
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.model = DecoderStack(config, matmul, **factory)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, matmul, **factory)
+        self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the RoPE tables in float32, stored in the model's dtype (after `to_empty`)."""
+        cos, sin = rope_tables(self.config, self.max_positions)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, ctx: StepContext) -> Tensor:
+        """input_ids, positions: [Tp] -> final-normed hidden states [Tp, H]."""
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
+        assert len(ctx.kv_caches) == len(self.model.layers)
+        real = positions[: ctx.num_tokens]
+        cos, sin = self.rope_cos[real], self.rope_sin[real]  # [n, D]
+        h = self.model.embed_tokens(input_ids)  # [Tp, H]
+        for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
+            h = layer(h, cos, sin, kv_cache, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32."""
+        return self.matmul.linear(hidden, self.lm_head_weight, None).float()
+
+    def reference_forward(self, input_ids: Tensor) -> Tensor:
+        """Dense, unpaged forward of one sequence: input_ids [T] -> logits [T, V] (the test oracle)."""
+        cos, sin = self.rope_cos[: input_ids.shape[0]], self.rope_sin[: input_ids.shape[0]]
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos, sin)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.compute_logits(self.model.norm(h))
+
+    # -- weights --------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors in; raises ValueError naming any missing or unknown tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # derived from the config / the tied embedding
+            target, rows = self._stacked_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            dest = params[target].data if rows is None else params[target].data[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(self.checkpoint_names()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+    def _stacked_target(self, name: str) -> tuple[str, slice | None]:
+        """Map an HF tensor name to (our parameter, the row slice it fills)."""
+        c = self.config
+        parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
+        if len(parts) == 3:
+            prefix, proj, kind = parts
+            qkv = {"q_proj": slice(0, c.q_size), "k_proj": slice(c.q_size, c.q_size + c.kv_size),
+                   "v_proj": slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
+            gate_up = {"gate_proj": slice(0, c.intermediate_size), "up_proj": slice(c.intermediate_size, 2 * c.intermediate_size)}
+            if proj in qkv:
+                return f"{prefix}.qkv_proj.{kind}", qkv[proj]
+            if proj in gate_up:
+                return f"{prefix}.gate_up_proj.{kind}", gate_up[proj]
+        return name, None
+
+    def checkpoint_names(self) -> list[str]:
+        """The HF tensor names a checkpoint of this model must hold."""
+        names = []
+        for name, _ in self.named_parameters():
+            prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+            if proj == "qkv_proj":
+                names += [f"{prefix}.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
+            elif proj == "gate_up_proj":
+                names += [f"{prefix}.{p}.{kind}" for p in ("gate_proj", "up_proj")]
+            else:
+                names.append(name)
+        return names
+
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Fill every weight from a seeded normal (norms get 1 + noise): for tests and benchmarks."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in sorted(self.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.data.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+
+
+def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                max_positions: int | None = None, matmul: MatmulKernel | str | None = None) -> Transformer:
+    """A Transformer with uninitialised weights allocated directly on `device` (fill with load_weights).
+
+    `matmul` defaults to `select_matmul(device, dtype)`; a name picks one of the kernels.
+    """
+    if not isinstance(matmul, MatmulKernel):
+        matmul = select_matmul(device, dtype, matmul)
+    model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta")
+    model.to_empty(device=device)
+    model.init_rope()
+    return model.eval().requires_grad_(False)

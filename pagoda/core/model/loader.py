@@ -1,0 +1,106 @@
+"""Load a Hugging Face model directory: config.json plus safetensors weights.
+
+A directory holds either one `model.safetensors` or shards listed by
+`model.safetensors.index.json`. Tensors are read one at a time and copied
+straight into parameters already allocated on the target device in the
+target dtype, so peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagoda.core.model.config import ModelConfig
+from pagoda.core.model.llama import Transformer, build_model
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' is cuda when a GPU is visible, else cpu; 'cuda' without a GPU is an error."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (fast and exact there) and bfloat16 on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, in order; FileNotFoundError names what is missing."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' object): {exc}") from None
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"weight shard {f.name} listed in {index} is missing")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(model_dir.glob("*.bin")) else ""
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}")
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, read lazily on the CPU."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as reader:
+            for name in reader.keys():
+                yield name, reader.get_tensor(name)
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    max_positions: int | None = None,
+    matmul: str | None = None,
+) -> tuple[Transformer, ModelConfig]:
+    """Load an HF directory into a Transformer on `device` in `dtype` ('auto' picks per device).
+
+    `max_positions` bounds the RoPE table (default: the config's context);
+    `matmul` names a MatmulKernel (default: the batch-invariant one for the device).
+    """
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    config = ModelConfig.from_file(model_dir / "config.json")
+    files = checkpoint_files(model_dir)
+    device = resolve_device(device)
+    model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions, matmul=matmul)
+    try:
+        model.load_weights(iter_checkpoint(files))
+    except ValueError as exc:
+        raise ValueError(f"{model_dir}: {exc}") from None
+    return model, config

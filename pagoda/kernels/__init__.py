@@ -1,0 +1,89 @@
+"""Paged attention kernels: the backend protocol, the metadata it reads, and start-up selection.
+
+Backends:
+- "triton": Triton kernels, the default on CUDA (triton_decode.py, triton_prefill.py).
+- "cpu": vectorized torch, bitwise batch invariant, the default on the CPU (cpu_attention.py).
+- "cpu_sdpa": torch SDPA on the CPU, faster on long prefills but not batch invariant (cpu_sdpa.py).
+- "reference": plain per-sequence float64 attention, the oracle for tests (reference.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from pagoda.kernels.kv_cache import allocate_kv_cache, write_kv
+from pagoda.kernels.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKEND_NAMES",
+    "allocate_kv_cache",
+    "select_backend",
+    "write_kv",
+]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        """Store new K/V [T, KVH, D] into caches [num_blocks, block_size, KVH, D] at slot_mapping [T]."""
+        ...
+
+    def attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """q [T, H, D] -> out [T, H, D]: each sequence's new tokens attend causally to its whole context."""
+        ...
+
+
+def _triton() -> AttentionBackend:
+    try:
+        from pagoda.kernels.triton_backend import TritonBackend
+    except ImportError as exc:  # triton missing or unusable on this machine
+        raise ValueError(f"backend 'triton' is unavailable: {exc}") from exc
+    return TritonBackend()
+
+
+def _cpu() -> AttentionBackend:
+    from pagoda.kernels.cpu_attention import CpuBackend
+
+    return CpuBackend()
+
+
+def _cpu_sdpa() -> AttentionBackend:
+    from pagoda.kernels.cpu_sdpa import SdpaBackend
+
+    return SdpaBackend()
+
+
+def _reference() -> AttentionBackend:
+    from pagoda.kernels.reference import ReferenceBackend
+
+    return ReferenceBackend()
+
+
+_FACTORIES: dict[str, Callable[[], AttentionBackend]] = {
+    "triton": _triton,
+    "cpu": _cpu,
+    "cpu_sdpa": _cpu_sdpa,
+    "reference": _reference,
+}
+BACKEND_NAMES = tuple(_FACTORIES)
+
+
+def select_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """Pick the attention backend once at start-up: "triton" on CUDA, "cpu" on the CPU, or `name`."""
+    device = torch.device(device)
+    if name is None:
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name not in _FACTORIES:
+        raise ValueError(f"name must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+    if name in ("cpu", "cpu_sdpa") and device.type != "cpu":
+        raise ValueError(f"backend {name!r} runs on the CPU, not on device {device}")
+    return _FACTORIES[name]()

@@ -1,0 +1,43 @@
+"""The attention backend used on CUDA: Triton kernels behind the AttentionBackend protocol.
+
+A step whose sequences are all decodes runs the split-K decode kernel (fixed
+split size, then a reduce); any step with a longer chunk runs the prefill
+kernel over every sequence, a decode being a chunk of one token. K/V are
+written with one indexed copy: the runner writes them before attention, so
+both kernels read every position, new or cached, from the same paged layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagoda.kernels.kv_cache import write_kv
+from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.triton_decode import decode_attention
+from pagoda.kernels.triton_prefill import prefill_attention
+
+
+class TritonBackend:
+    """AttentionBackend over the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        """Store new K/V through slot_mapping."""
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def attention(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    ) -> Tensor:
+        """Causal attention of the new tokens over their cached context."""
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("k_cache and v_cache must be contiguous in head_dim")
+        out = torch.empty_like(q)
+        if meta.num_tokens == 0:
+            return out
+        if meta.max_query_len == 1:
+            return decode_attention(q, k_cache, v_cache, meta, scale, out)
+        return prefill_attention(q, k_cache, v_cache, meta, scale, out)

@@ -1,0 +1,161 @@
+"""Split-K paged decode attention in Triton: one query token per sequence over its whole context.
+
+Design note. Decode is bound by reading the KV cache, and one program per
+(sequence, kv head) leaves most of the GPU idle when the batch is small and
+the context long. So the context is cut into splits of a FIXED size
+(SPLIT_SIZE positions, not a fixed number of splits): program (b, h, s) reads
+positions [s*SPLIT_SIZE, (s+1)*SPLIT_SIZE) of sequence b in tiles of TILE_N
+positions, in ascending order, with an online softmax, and writes a partial
+(max, sum, weighted V) per query head. A second kernel folds the partials of
+each (sequence, head) in split order. Because the split size never depends on
+the batch, a sequence's arithmetic is the same alone or in a crowd.
+
+GQA lives in the kernel: a program loads each K/V tile once for all G query
+heads of its kv head (rows of the q tile, padded to 16 for tl.dot); K/V heads
+are never repeated in memory. Scores are kept in base 2 (scale * log2 e) so the
+softmax uses exp2. Cache addresses come from the block table per position, so
+any block size works and TILE_N need not divide it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pagoda.kernels.metadata import AttentionMetadata
+
+SPLIT_SIZE = 512  # positions per split: fixed, so the partition never depends on the batch
+TILE_N = 32  # positions per tile inside a split; divides SPLIT_SIZE
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh,
+    stride_tb,
+    stride_pb, stride_ph, stride_ps,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_start = split * SPLIT
+    if split_start < seq_len:
+        split_end = tl.minimum(split_start + SPLIT, seq_len)
+        token = tl.load(q_start_ptr + seq).to(tl.int64)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, DIM_PAD)
+        heads = kv_head * GROUP + offs_g
+        g_ok = offs_g < GROUP
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [GROUP_PAD, DIM_PAD]
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for start in range(split_start, split_end, TILE):
+            pos = start + tl.arange(0, TILE)
+            p_ok = pos < split_end
+            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = p_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kp + kv_head * stride_kh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )  # [TILE, DIM_PAD]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
+            s = tl.where(p_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid position
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vp + kv_head * stride_vh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        part = seq * stride_pb + heads * stride_ph + split * stride_ps  # [GROUP_PAD]
+        tl.store(part_m_ptr + part, m_i, mask=g_ok)
+        tl.store(part_l_ptr + part, l_i, mask=g_ok)
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + offs_d[None, :], acc, mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, q_start_ptr,
+    stride_ot, stride_oh,
+    stride_pb, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), SPLIT)
+    offs_d = tl.arange(0, DIM_PAD)
+    base = seq * stride_pb + head * stride_ph
+    m_i = tl.load(part_m_ptr + base)
+    l_i = tl.load(part_l_ptr + base)
+    acc = tl.load(part_acc_ptr + base * DIM_PAD + offs_d)
+    for s in range(1, num_splits):  # split order, whatever the batch
+        m_s = tl.load(part_m_ptr + base + s * stride_ps)
+        l_s = tl.load(part_l_ptr + base + s * stride_ps)
+        acc_s = tl.load(part_acc_ptr + (base + s * stride_ps) * DIM_PAD + offs_d)
+        m_new = tl.maximum(m_i, m_s)
+        a_old = tl.exp2(m_i - m_new)
+        a_new = tl.exp2(m_s - m_new)
+        l_i = l_i * a_old + l_s * a_new
+        acc = acc * a_old + acc_s * a_new
+        m_i = m_new
+    token = tl.load(q_start_ptr + seq).to(tl.int64)
+    out = acc / l_i
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)  # fmt: skip
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, out: Tensor
+) -> Tensor:
+    """Decode rows only (every query_len is 1): q/out [B, H, D], caches [N, bs, KVH, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    dim_pad = triton.next_power_of_2(head_dim)
+    max_splits = triton.cdiv(meta.max_seq_len, SPLIT_SIZE)
+    part_acc = torch.empty((num_seqs, num_heads, max_splits, dim_pad), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((num_seqs, num_heads, max_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _decode_split_kernel[(num_seqs, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        part_acc, part_m, part_l,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        part_m.stride(0), part_m.stride(1), part_m.stride(2),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=SPLIT_SIZE, PRECISION="ieee",
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out, part_acc, part_m, part_l, meta.seq_lens, meta.query_start_loc,
+        out.stride(0), out.stride(1),
+        part_m.stride(0), part_m.stride(1), part_m.stride(2),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLIT=SPLIT_SIZE,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,124 @@
+"""Paged prefill/extend attention in Triton: a chunk of new tokens over its cached prefix plus itself.
+
+Design note. One program handles BLOCK_Q consecutive new tokens of one
+sequence for one kv head. Its q tile has BLOCK_Q * GROUP_PAD rows: row r is
+token r // GROUP_PAD of the block and query head kv_head * G + r % GROUP_PAD,
+so each K/V tile is loaded once for all G heads that share it (GQA without
+repeating K/V). The program walks the keys from position 0 up to its last
+token in tiles of TILE_N positions, in ascending order, with an online softmax
+in base 2; keys after a row's own position are masked, and since a row always
+sees position 0 its running max is finite after the first tile, so a tile
+entirely in its future is an exact no-op (alpha = 1, nothing added).
+
+This covers plain prefill (no cached prefix), chunked prefill and recompute
+after preemption (a cached prefix read through the block table), and mixed
+batches, where a decode is simply a chunk of one token. Tiles sit at the same
+absolute positions as in the decode kernel, so both walk a context in the same
+order; only the decode kernel's split-and-reduce differs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pagoda.kernels.metadata import AttentionMetadata
+
+BLOCK_M = 64  # q rows per program: tokens x padded group
+TILE_N = 32  # key positions per tile (same tiling as triton_decode)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, q_start_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kp, stride_kh,
+    stride_vb, stride_vp, stride_vh,
+    stride_tb,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        first_pos = seq_len - q_len  # position of the first new token
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # new-token index within the sequence
+        g = rows % GROUP_PAD
+        row_ok = (q_idx < q_len) & (g < GROUP)
+        q_pos = first_pos + q_idx  # [BLOCK_M] absolute positions
+        tokens = (q_start + q_idx).to(tl.int64)
+        heads = kv_head * GROUP + g
+        offs_d = tl.arange(0, DIM_PAD)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, DIM_PAD]
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+        end = tl.minimum(seq_len, first_pos + (q_block + 1) * BLOCK_Q)  # one past the block's last position
+        for start in range(0, end, TILE):
+            pos = start + tl.arange(0, TILE)
+            p_ok = pos < end
+            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = p_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kp + kv_head * stride_kh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )  # [TILE, DIM_PAD]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE]
+            s = tl.where(p_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vp + kv_head * stride_vh
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+def prefill_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, out: Tensor
+) -> Tensor:
+    """Any mix of chunks and decodes: q/out [T, H, D], caches [N, bs, KVH, D]."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, BLOCK_M // group_pad)
+    grid = (meta.num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_q))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, PRECISION="ieee",
+    )  # fmt: skip
+    return out

@@ -1,0 +1,146 @@
+"""OpenAI chat completions: POST /v1/chat/completions (messages through the model's chat template)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+from pagoda.core.engine import RequestOutput
+from pagoda.plugins import openai_common as oc
+from pagoda.plugins.hookspecs import hookimpl
+from pagoda.plugins.protocol import (
+    ApiError,
+    Call,
+    Completion,
+    Endpoint,
+    Event,
+    Generation,
+    RequestError,
+    ServeContext,
+    make_sampling_params,
+)
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(oc.SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: oc.PositiveInt | None = None
+    max_completion_tokens: oc.PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: oc.TopLogprobs | None = None
+
+
+def template_messages(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, str]]:
+    """Messages as the chat template reads them: a role and plain-text content."""
+    if not messages:
+        raise RequestError(f"{field} must hold at least one message", field)
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": message_text(m.content, f"{field}[{i}].content")})
+    return out
+
+
+def message_text(content: str | list[ContentPart] | None, field: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise RequestError(f"{field}[{j}]: only text content is supported, got type {part.type!r}", f"{field}[{j}]")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+class ChatCompletions(Endpoint):
+    name = "openai-chat"
+    path = "/v1/chat/completions"
+    body_type = ChatRequest
+    id_prefix = "chatcmpl-"
+
+    def prepare(self, body: ChatRequest, ctx: ServeContext) -> Generation:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
+        ids = ctx.encode_chat(template_messages(body.messages))
+        max_tokens = body.max_completion_tokens or body.max_tokens or ctx.default_max_tokens(len(ids))
+        params = make_sampling_params(
+            max_tokens=max_tokens,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            **oc.sampling_fields(body),
+        )
+        return Generation(ids, params, stream=body.stream)
+
+    def _logprobs(self, call: Call, tokens) -> dict[str, Any] | None:
+        return {"content": oc.chat_logprobs(call, tokens)} if call.body.logprobs else None
+
+    def _chunk(self, call: Call, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: Any = None) -> dict[str, Any]:
+        chunk = {
+            "id": call.id,
+            "object": "chat.completion.chunk",
+            "created": call.created,
+            "model": call.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+        }
+        if self._include_usage(call):
+            chunk["usage"] = None
+        return chunk
+
+    @staticmethod
+    def _include_usage(call: Call) -> bool:
+        return call.body.stream_options is not None and call.body.stream_options.include_usage
+
+    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
+        return {
+            "id": call.id,
+            "object": "chat.completion",
+            "created": call.created,
+            "model": call.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text, "refusal": None},
+                "finish_reason": oc.finish_reason(completion.finish_reason),
+                "logprobs": self._logprobs(call, completion.logprobs),
+            }],
+            "usage": oc.usage(completion.num_prompt_tokens, completion.num_output_tokens),
+        }
+
+    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        yield Event(self._chunk(call, {"role": "assistant", "content": ""}, None))
+        last = None
+        async for out in outputs:
+            last = out
+            if out.new_text or out.logprobs:
+                yield Event(self._chunk(call, {"content": out.new_text}, None, self._logprobs(call, out.logprobs)))
+        if last is None:
+            return
+        yield Event(self._chunk(call, {}, oc.finish_reason(last.finish_reason)))
+        if self._include_usage(call):
+            chunk = self._chunk(call, {}, None)
+            chunk["choices"] = []
+            chunk["usage"] = oc.usage(last.num_prompt_tokens, last.num_output_tokens)
+            yield Event(chunk)
+        yield Event("[DONE]")
+
+    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
+        return [Event(oc.error_body(error))]
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        return oc.error_body(error)
+
+
+@hookimpl
+def pagoda_register_protocols(register):
+    register(ChatCompletions())

@@ -1,0 +1,126 @@
+"""OpenAI's legacy text completions: POST /v1/completions (a plain prompt, no chat template)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.core.engine import RequestOutput
+from pagoda.plugins import openai_common as oc
+from pagoda.plugins.hookspecs import hookimpl
+from pagoda.plugins.protocol import (
+    ApiError,
+    Call,
+    Completion,
+    Endpoint,
+    Event,
+    Generation,
+    RequestError,
+    ServeContext,
+    make_sampling_params,
+)
+
+
+class CompletionRequest(oc.SamplingFields, kw_only=True):
+    # str, [str], [int] or [[int]]: msgspec cannot tell list types apart in a union, so `prompt_ids` checks it.
+    prompt: str | list[Any]
+    max_tokens: oc.PositiveInt | None = None
+    logprobs: oc.TopLogprobs | None = None
+    echo: bool = False
+    best_of: oc.PositiveInt | None = None
+    suffix: str | None = None
+
+
+def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[int]:
+    """The prompt's token ids (text is encoded, ids are taken as they are)."""
+    if isinstance(prompt, str):
+        return ctx.encode(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt_ids(prompt[0], ctx)  # a batch of one
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("prompt: batches of several prompts are not supported; send one request each", "prompt")
+    raise RequestError("prompt must be a string, a list of token ids, or a list holding one of those", "prompt")
+
+
+class Completions(Endpoint):
+    name = "openai-completions"
+    path = "/v1/completions"
+    body_type = CompletionRequest
+    id_prefix = "cmpl-"
+
+    def prepare(self, body: CompletionRequest, ctx: ServeContext) -> Generation:
+        if body.best_of not in (None, 1):
+            raise RequestError("best_of must be 1", "best_of")
+        if body.suffix:
+            raise RequestError("suffix (insertion) is not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        ids = prompt_ids(body.prompt, ctx)
+        params = make_sampling_params(
+            max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
+            logprobs=body.logprobs,
+            **oc.sampling_fields(body),
+        )
+        return Generation(ids, params, stream=body.stream)
+
+    def _echo(self, call: Call) -> str:
+        if not call.body.echo:
+            return ""
+        prompt = call.body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else call.tokenizer.decode(call.generation.prompt_token_ids)
+
+    def _logprobs(self, call: Call, tokens, offset: int) -> dict[str, Any] | None:
+        if call.body.logprobs is None:
+            return None
+        return oc.completion_logprobs(call, tokens, offset)
+
+    def _chunk(self, call: Call, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+        return {
+            "id": call.id,
+            "object": "text_completion",
+            "created": call.created,
+            "model": call.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+        }
+
+    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
+        echo = self._echo(call)
+        body = self._chunk(call, echo + completion.text, oc.finish_reason(completion.finish_reason),
+                           self._logprobs(call, completion.logprobs, len(echo)))
+        body["usage"] = oc.usage(completion.num_prompt_tokens, completion.num_output_tokens)
+        return body
+
+    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        offset = 0
+        echo = self._echo(call)
+        if echo:
+            yield Event(self._chunk(call, echo, None, None))
+            offset = len(echo)
+        last = None
+        async for out in outputs:
+            last = out
+            reason = oc.finish_reason(out.finish_reason) if out.finished else None
+            if out.new_text or out.logprobs or reason:
+                yield Event(self._chunk(call, out.new_text, reason, self._logprobs(call, out.logprobs, offset)))
+                offset += len(out.new_text)
+        if call.body.stream_options is not None and call.body.stream_options.include_usage and last is not None:
+            chunk = self._chunk(call, "", None, None)
+            chunk["choices"] = []
+            chunk["usage"] = oc.usage(last.num_prompt_tokens, last.num_output_tokens)
+            yield Event(chunk)
+        yield Event("[DONE]")
+
+    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
+        return [Event(oc.error_body(error))]  # a data: object with "error" makes the client raise
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        return oc.error_body(error)
+
+
+@hookimpl
+def pagoda_register_protocols(register):
+    register(Completions())

@@ -1,0 +1,185 @@
+"""What a protocol plugin implements, and what the server hands it.
+
+A protocol endpoint is one HTTP route (say POST /v1/chat/completions). It
+declares the msgspec Struct its JSON body decodes into and four steps:
+
+    prepare(body, ctx)            -> Generation    the engine request (prompt ids, sampling params)
+    render(call, completion)      -> dict          the unary response body
+    render_stream(call, outputs)  -> Events        the stream, from the engine's outputs
+    render_error(error)           -> dict          an error body in the protocol's own shape
+
+Everything else is the server's (pagoda.api): decoding and validating the
+body, the API key, calling the engine, the disconnect race and the abort,
+turning exceptions into `render_error` bodies with the right status, encoding
+events as SSE or NDJSON, metrics and the access log. So a protocol module
+holds only its wire format.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pagoda.core.engine import RequestOutput
+from pagoda.core.request import FinishReason
+from pagoda.core.sampler import SampledToken
+from pagoda.core.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the protocol refuses: answered with `status` (400) and the protocol's error body."""
+
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ApiError:
+    """An error to send in a protocol's own shape; `status` is the HTTP status (or the event's)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+def make_sampling_params(renames: Mapping[str, str] | None = None, **fields: Any) -> SamplingParams:
+    """SamplingParams(**fields); a ValueError becomes a RequestError naming the protocol's field."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:  # SamplingParams' messages start with the field's name
+        name, _, why = str(exc).partition(" ")
+        param = (renames or {}).get(name, name)
+        raise RequestError(f"{param} {why}", param) from None
+
+
+@dataclass(frozen=True)
+class ServeContext:
+    """What `prepare` may use: the tokenizer and the server's limits."""
+
+    tokenizer: Any  # pagoda.core.tokenizer.Tokenizer
+    model_name: str  # the name responses report (--served-model-name)
+    max_model_len: int  # prompt + output tokens of one request
+    max_kv_tokens: int  # KV slots in the whole pool: a request can never hold more
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (with the tokenizer's own special tokens, e.g. BOS)."""
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "has_chat_template", True):
+            raise RequestError("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """For a request that names no limit: as many tokens as fit the context and the KV pool."""
+        # A request holds prompt + max_tokens - 1 KV slots (its last token is never computed).
+        fits = min(self.max_model_len - num_prompt_tokens, self.max_kv_tokens - num_prompt_tokens + 1)
+        return max(fits, 1)  # a prompt that fills the context is refused by admission, with the numbers
+
+
+@dataclass
+class Generation:
+    """The engine request a protocol made from its body."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+
+
+@dataclass
+class Call:
+    """One request as the renderers see it: ids and names that stay the same across its events."""
+
+    id: str  # the protocol-visible id, also the engine request id
+    created: int  # unix seconds
+    model: str
+    body: Any  # the decoded body Struct
+    generation: Generation
+    tokenizer: Any
+    state: dict[str, Any] = field(default_factory=dict)  # the renderer's own per-request notes
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.generation.prompt_token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs), special tokens included."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class Completion:
+    """A finished generation, as unary renderers get it."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stop_reason: str | int | None  # the stop string or token id that matched
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[SampledToken] = field(default_factory=list)
+
+    @classmethod
+    def from_outputs(cls, outputs: Sequence[RequestOutput]) -> Completion:
+        """Concatenate a request's outputs (the last one is the finished one)."""
+        last = outputs[-1]
+        assert last.finished and last.finish_reason is not None, last
+        return cls(
+            text="".join(o.new_text for o in outputs),
+            token_ids=[t for o in outputs for t in o.new_token_ids],
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+            logprobs=[lp for o in outputs for lp in o.logprobs],
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stream event: `data` is sent as JSON unless it is a str; `name` is SSE's `event:` line."""
+
+    data: Any
+    name: str | None = None
+
+
+class Endpoint:
+    """One protocol route; subclass it, set the class attributes and implement the four steps."""
+
+    name: ClassVar[str]  # unique, e.g. "openai-chat"
+    path: ClassVar[str]  # e.g. "/v1/chat/completions" (always POST)
+    body_type: ClassVar[type]  # a msgspec.Struct the JSON body decodes into
+    id_prefix: ClassVar[str] = ""  # e.g. "chatcmpl-"
+    stream_format: ClassVar[Literal["sse", "ndjson"]] = "sse"
+
+    def new_id(self) -> str:
+        """A fresh id for one request, with the protocol's prefix."""
+        return f"{self.id_prefix}{secrets.token_hex(12)}"
+
+    def prepare(self, body: Any, ctx: ServeContext) -> Generation:
+        """Turn the decoded body into an engine request; raise RequestError naming a bad field."""
+        raise NotImplementedError
+
+    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
+        """The unary response body for a finished generation."""
+        raise NotImplementedError
+
+    def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        """The stream's events, produced while iterating the engine's outputs."""
+        raise NotImplementedError
+
+    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
+        """Events that report a failure after the stream began (the status line has gone out)."""
+        return [Event(self.render_error(error), name="error")]
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        """An error body in the protocol's own shape."""
+        raise NotImplementedError

@@ -1,0 +1,72 @@
+"""The Triton kernels on a CUDA GPU in bfloat16 against the reference; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels import select_backend
+from pagoda.kernels.reference import reference_attention
+from pagoda.kernels.triton_decode import SPLIT_SIZE
+
+from .attention_world import World, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+LONG = [1, 15, 16, 17, 63, 64, 65, SPLIT_SIZE, SPLIT_SIZE + 1, 2048, 8192]
+
+
+def run(step, backend):
+    out = backend.attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_bf16_up_to_8k(group, head_dim):
+    world = World(LONG, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16, seed=group)
+    step = world.batch([(i, n - 1, 1) for i, n in enumerate(LONG)], device="cuda")
+    out = run(step, select_backend("cuda"))
+    ref = reference_attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_chunks_and_decodes_bf16(group, head_dim):
+    lens = [8192, 3000, 600, 65, 17]
+    world = World(lens, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16, seed=7)
+    # a chunk after an 8k-1k cached prefix, a chunk at an odd offset, a whole prompt, two decodes
+    step = world.batch([(0, 7168, 1024), (1, 1001, 1999), (2, 0, 600), (3, 64, 1), (4, 16, 1)], device="cuda")
+    out = run(step, select_backend("cuda"))
+    ref = reference_attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_float32_is_exact_to_rounding():
+    lens = [700, 33]
+    world = World(lens, num_heads=12, num_kv_heads=4, head_dim=64, seed=3)
+    backend = select_backend("cuda")
+    for items in ([(0, 699, 1), (1, 32, 1)], [(0, 300, 400), (1, 0, 33)]):
+        step = world.batch(items, device="cuda")
+        ref = reference_attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+        assert rel_err(run(step, backend), ref) < 1e-5
+
+
+def test_a_row_alone_equals_the_row_in_a_crowd():
+    # each program's work depends only on its own sequence: no batch-shaped split or blocking
+    lens = [5000, 1200, 90, 3]
+    world = World(lens, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=11)
+    backend = select_backend("cuda")
+    crowd = run(world.batch([(i, n - 1, 1) for i, n in enumerate(lens)], device="cuda"), backend)
+    for i, n in enumerate(lens):
+        assert torch.equal(run(world.batch([(i, n - 1, 1)], device="cuda"), backend)[0], crowd[i])
+    chunks = world.batch([(0, 4000, 1000), (1, 0, 1200), (2, 89, 1)], device="cuda")
+    mixed = run(chunks, backend)
+    alone = run(world.batch([(1, 0, 1200)], device="cuda"), backend)
+    assert torch.equal(mixed[chunks.rows_of(1)], alone)

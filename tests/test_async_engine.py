@@ -1,0 +1,321 @@
+"""AsyncEngine: the loop thread, the abort in generate's finally, and questions asked of the loop."""
+
+import asyncio
+import contextlib
+import gc
+import threading
+
+import pytest
+
+from pagoda.core.async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestAborted
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.core.scheduler import AdmissionError
+from tests.core_helpers import fake_engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+class GatedRunner:
+    """Wraps a runner so that each step waits for the test to allow it: the test counts steps exactly."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.allowed = threading.Semaphore(0)
+        self.steps = 0
+
+    def execute(self, batch):
+        assert self.allowed.acquire(timeout=30), "the test never allowed this step"
+        self.steps += 1
+        return self.runner.execute(batch)
+
+    def open(self):
+        """Let every later step run freely."""
+        for _ in range(10_000):
+            self.allowed.release()
+
+
+class FailingRunner:
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+
+    def execute(self, batch):
+        raise RuntimeError("device lost")
+
+
+@pytest.fixture
+def make_engine():
+    """Builds started AsyncEngines around fake engines and stops them all at the end."""
+    started = []
+
+    def make(wrap=None, **config):
+        engine = fake_engine(**config)
+        if wrap is not None:
+            engine.runner = wrap(engine.runner)
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        started.append(async_engine)
+        return async_engine
+
+    yield make
+    for e in started:
+        e.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+async def collect(engine, prompt, params=GREEDY, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def assert_pool_whole(engine):
+    await engine.wait_until_idle()
+    await engine.audit()
+    stats = await engine.stats()
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return stats
+
+
+def test_generate_streams_every_token_and_matches_the_offline_engine(make_engine):
+    async_engine = make_engine()
+    outs = run(collect(async_engine, [1, 2, 3], request_id="a"))
+    assert [o.finished for o in outs] == [False] * 7 + [True]
+    offline = fake_engine()
+    offline.add_request("a", [1, 2, 3], GREEDY)
+    expected = [t for o in offline.run() for t in o.new_token_ids]
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].num_output_tokens == 8
+
+
+def test_concurrent_requests_each_get_their_own_stream(make_engine):
+    async_engine = make_engine(max_running=2)  # four callers, two slots: some wait their turn
+
+    async def main():
+        prompts = {f"r{i}": [i + 1, i + 2] for i in range(4)}
+        results = await asyncio.gather(*(collect(async_engine, p, request_id=rid) for rid, p in prompts.items()))
+        stats = await assert_pool_whole(async_engine)
+        return prompts, results, stats
+
+    prompts, results, stats = run(main())
+    assert stats["peak_running"] == 2
+    for (rid, prompt), outs in zip(prompts.items(), results):
+        solo = fake_engine()
+        solo.add_request(rid, prompt, GREEDY)
+        assert [t for o in outs for t in o.new_token_ids] == [t for o in solo.run() for t in o.new_token_ids]
+
+
+def test_admission_error_is_raised_before_any_output(make_engine):
+    async_engine = make_engine(num_blocks=4, block_size=4)
+
+    async def main():
+        gen = async_engine.generate([1] * 10, SamplingParams(max_tokens=50))  # needs 15 blocks of a 4-block pool
+        with pytest.raises(AdmissionError, match="KV blocks"):
+            await gen.__anext__()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(async_engine, [10_000])
+        return await assert_pool_whole(async_engine)
+
+    stats = run(main())
+    assert stats["requests_total"] == 0 and stats["aborted_total"] == 0
+
+
+def test_a_refused_duplicate_id_does_not_abort_the_live_request(make_engine):
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", GatedRunner(r)))
+    runner = gated["runner"]
+
+    async def main():
+        first = async_engine.generate([1, 2], GREEDY, "same")
+        runner.allowed.release()
+        await first.__anext__()
+        # The loop thread now waits inside the next step; queue the duplicate, then let that step end.
+        duplicate = asyncio.create_task(collect(async_engine, [3], request_id="same"))
+        await asyncio.sleep(0)
+        runner.allowed.release()
+        with pytest.raises(ValueError, match="already live"):
+            await duplicate
+        runner.open()
+        rest = [o async for o in first]
+        return rest, await assert_pool_whole(async_engine)
+
+    rest, stats = run(main())
+    assert rest[-1].finished and rest[-1].finish_reason.value == "length"
+    assert sum(len(o.new_token_ids) for o in rest) == GREEDY.max_tokens - 1
+    assert stats["aborted_total"] == 0
+
+
+def _abort_within_one_step(make_engine, leave, consumed_by_leave=0):
+    """Consume 3 outputs one step at a time, leave via `leave`, then let the engine run freely."""
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", GatedRunner(r)))
+    runner = gated["runner"]
+    params = SamplingParams(max_tokens=50, temperature=0)
+
+    async def main():
+        gen = async_engine.generate([1, 2, 3], params, "leaver")
+        seen = []
+        for _ in range(3):
+            runner.allowed.release()
+            seen.append(await gen.__anext__())
+        await leave(gen, runner)
+        runner.open()
+        return seen, await assert_pool_whole(async_engine)
+
+    seen, stats = run(main())
+    assert not seen[-1].finished
+    assert stats["aborted_total"] == 1
+    # The abort landed at the next step: at most one step ran after the caller left.
+    consumed = 3 + consumed_by_leave
+    assert consumed <= stats["generated_tokens_total"] <= consumed + 1, stats
+    assert runner.steps <= consumed + 1
+
+
+def test_closing_the_generator_early_aborts_within_a_step(make_engine):
+    async def leave(gen, runner):
+        await gen.aclose()
+
+    _abort_within_one_step(make_engine, leave)
+
+
+def test_cancelling_the_consuming_task_aborts_within_a_step(make_engine):
+    async def leave(gen, runner):
+        async def consume():
+            async for _ in gen:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)  # let it reach its await on the next output (no step is allowed yet)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _abort_within_one_step(make_engine, leave)
+
+
+def test_an_exception_in_the_consumer_aborts(make_engine):
+    async def leave(gen, runner):
+        async def consume():
+            async with contextlib.aclosing(gen):
+                async for _ in gen:
+                    raise KeyError("renderer bug")
+
+        runner.allowed.release()
+        with pytest.raises(KeyError):
+            await consume()
+
+    _abort_within_one_step(make_engine, leave, consumed_by_leave=1)
+
+
+def test_dropping_an_unfinished_generator_aborts_it(make_engine):
+    # No aclose: the last reference goes away and the event loop's async-generator finalizer closes it.
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", GatedRunner(r)))
+    runner = gated["runner"]
+
+    async def main():
+        async def start_and_drop():
+            gen = async_engine.generate([1, 2, 3], SamplingParams(max_tokens=50, temperature=0), "dropped")
+            runner.allowed.release()
+            return (await gen.__anext__()).num_output_tokens
+
+        n = await start_and_drop()  # the generator is unreachable once this returns
+        gc.collect()
+        for _ in range(5):
+            await asyncio.sleep(0)  # the finalizer schedules aclose() as a task
+        runner.open()
+        return n, await assert_pool_whole(async_engine)
+
+    n, stats = run(main())
+    assert n == 1 and stats["aborted_total"] == 1
+    assert stats["generated_tokens_total"] <= 2
+
+
+def test_cancelled_while_waiting_for_admission_leaves_nothing_behind(make_engine):
+    async_engine = make_engine()
+
+    async def main():
+        tasks = [asyncio.create_task(collect(async_engine, [1, 2], SamplingParams(max_tokens=50))) for _ in range(8)]
+        await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return await assert_pool_whole(async_engine)
+
+    stats = run(main())
+    # Each request was either never added, or added and then aborted: none ran to its end.
+    assert stats["generated_tokens_total"] < 8 * 50
+    assert stats["requests_total"] == stats["aborted_total"]
+
+
+def test_a_failed_model_step_raises_in_the_caller_and_the_engine_keeps_serving(make_engine):
+    async_engine = make_engine()
+
+    async def main():
+        healthy = async_engine.engine.runner
+        async_engine.engine.runner = FailingRunner(healthy)
+        with pytest.raises(GenerationError, match="device lost"):
+            await collect(async_engine, [1, 2])
+        async_engine.engine.runner = healthy
+        outs = await collect(async_engine, [1, 2])
+        return outs, await assert_pool_whole(async_engine)
+
+    outs, stats = run(main())
+    assert outs[-1].finished and stats["failed_total"] == 1
+
+
+def test_stop_aborts_live_requests_and_refuses_new_ones(make_engine):
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", GatedRunner(r)))
+    runner = gated["runner"]
+
+    async def main():
+        gen = async_engine.generate([1, 2], SamplingParams(max_tokens=50))
+        runner.allowed.release()
+        await gen.__anext__()
+        async_engine.stop(timeout=0)  # ask first (the loop may be parked inside step 2), then let steps run
+        runner.open()
+        await asyncio.to_thread(async_engine.stop)
+        with pytest.raises((RequestAborted, EngineDeadError)):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await async_engine.stats()
+
+    run(main())
+    assert not async_engine.is_running
+    engine = async_engine.engine
+    assert engine.counters.aborted_total == 1 and engine.counters.generated_tokens_total <= 2  # at most the step in flight
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_crashed_loop_fails_callers_instead_of_hanging_them(make_engine):
+    async_engine = make_engine()
+
+    def broken_step():
+        raise AssertionError("scheduler invariant broken")
+
+    async def main():
+        async_engine.engine.step = broken_step
+        with pytest.raises(EngineDeadError, match="invariant"):
+            await collect(async_engine, [1, 2])
+        with pytest.raises(EngineDeadError):
+            await async_engine.stats()
+
+    run(main())
+    assert not async_engine.is_running
+
+
+def test_an_idle_loop_sleeps(make_engine):
+    async_engine = make_engine()
+    run(collect(async_engine, [1, 2]))
+    run(async_engine.wait_until_idle())
+    before = async_engine.num_wakeups
+    threading.Event().wait(0.2)  # an interval of idleness, not a wait for a condition
+    assert async_engine.num_wakeups == before
+    run(async_engine.stats())
+    assert async_engine.num_wakeups == before + 1  # one command, one wake-up
+

@@ -1,0 +1,130 @@
+"""A request's tokens do not depend on what else runs: alone, in a crowd, or preempted and recomputed.
+
+Through the real Engine, TorchModelRunner and default CPU kernels, on the tiny
+random model and on the default model. Greedy and seeded sampling both; any
+difference in the logits' bits can flip a sample, so equality of whole token
+streams over many steps is the evidence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.core.config import EngineConfig
+from pagoda.core.engine import Engine
+from pagoda.core.model.config import named_config
+from pagoda.core.model.llama import build_model
+from pagoda.core.model.loader import load_model
+from pagoda.core.model.runner import TorchModelRunner
+from pagoda.core.sampling_params import SamplingParams
+from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+class RecordingRunner:
+    """Wraps the runner and keeps every sampled logits row by (request id, position sampled)."""
+
+    def __init__(self, inner: TorchModelRunner) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        self.max_chunks = 0  # the most requests one step carried
+
+    def execute(self, batch):
+        self.max_chunks = max(self.max_chunks, len(batch.chunks))
+        out = self.inner.execute(batch)
+        for chunk, row in zip(batch.sample_chunks, out.logits):
+            self.rows[(chunk.request.request_id, chunk.end)] = row.clone()
+        return out
+
+
+def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16):
+    """Run jobs [(rid, prompt, params)] to completion; returns ({rid: tokens}, {rid: Request}, engine)."""
+    runner = RecordingRunner(TorchModelRunner(model, num_blocks=num_blocks, block_size=block_size))
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
+                          max_batched_tokens=max_batched_tokens, max_model_len=512)
+    engine = Engine(runner, config, eos_token_ids=model.config.eos_token_ids)
+    requests = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in jobs}
+    out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+    return out, requests, engine
+
+
+def crowd(vocab, n=8, seed=7, max_tokens=None):
+    """n other requests of different prompt lengths and output lengths, some sampled."""
+    gen = torch.Generator().manual_seed(seed)
+    jobs = []
+    for i in range(n):
+        prompt = torch.randint(3, vocab, (3 + 5 * i,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=max_tokens or 10 + 3 * i, temperature=0.7 * (i % 2), seed=i, ignore_eos=True)
+        jobs.append((f"other{i}", prompt, params))
+    return jobs
+
+
+def assert_same_logits(engine, alone_rows, rid):
+    """Every logits row the target sampled from has the same bits as when it ran alone."""
+    rows = {key: row for key, row in engine.runner.rows.items() if key[0] == rid}
+    assert len(rows) == 24
+    for key, row in rows.items():
+        assert torch.equal(row, alone_rows[key]), f"{rid}: logits at position {key[1]} differ in their bits"
+
+
+def check_invariance(model, targets, *, tight_blocks):
+    """targets: [(rid, prompt, params)]. Alone == in a crowd == preempted and recomputed."""
+    vocab = model.config.vocab_size
+    alone, alone_rows = {}, {}
+    for rid, p, s in targets:
+        tokens, _, engine = run(model, [(rid, p, s)])
+        alone[rid] = tokens[rid]
+        alone_rows.update(engine.runner.rows)
+        assert len(alone[rid]) == 24
+
+    # In a crowd: targets in the middle of 8 others; a small token budget cuts prompts
+    # into chunks, so the targets' rows meet every batch size and row position.
+    others = crowd(vocab)
+    jobs = others[:4] + list(targets) + others[4:]
+    in_crowd, _, engine = run(model, jobs, max_batched_tokens=23)
+    assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
+    for rid in alone:
+        assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
+        assert_same_logits(engine, alone_rows, rid)
+
+    # Preempted: a pool that holds every prompt but not every output; the target arrives
+    # last, so it is the newest running request and the first evicted, then recomputed
+    # through prefill chunks once the others finish.
+    long_others = crowd(vocab, n=4, seed=8, max_tokens=24)
+    for rid, prompt, params in targets:
+        jobs = long_others + [(rid, prompt, params)]
+        preempted, requests, engine = run(model, jobs, num_blocks=tight_blocks, max_batched_tokens=19)
+        assert engine.stats()["preemptions_total"] > 0
+        assert requests[rid].num_preemptions > 0, f"{rid} was never preempted: the test proved nothing"
+        assert preempted[rid] == alone[rid], f"{rid} changed after preemption and recompute"
+        assert_same_logits(engine, alone_rows, rid)
+
+
+def test_tiny_model_tokens_are_batch_invariant():
+    model = build_model(named_config("tiny"), max_positions=512)
+    model.init_random_weights(seed=5, std=0.1)
+    gen = torch.Generator().manual_seed(11)
+    targets = [
+        ("greedy", torch.randint(3, 512, (13,), generator=gen).tolist(), GREEDY),
+        ("sampled", torch.randint(3, 512, (22,), generator=gen).tolist(), SAMPLED),
+    ]
+    check_invariance(model, targets, tight_blocks=24)
+
+
+def test_default_model_tokens_are_batch_invariant(default_model_dir):  # noqa: F811
+    model, _ = load_model(default_model_dir, "float32", "cpu", max_positions=512)
+    from pagoda.core.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_dir)
+    targets = [
+        ("greedy", tok.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}]), GREEDY),
+        ("sampled", tok.encode_chat([{"role": "user", "content": "Tell me a story about a fox."}]), SAMPLED),
+    ]
+    check_invariance(model, targets, tight_blocks=40)

@@ -1,0 +1,104 @@
+"""The default model through pagoda against HF transformers reading the same GGUF file.
+
+transformers dequantizes the GGUF itself and runs its own Llama: the same
+weights through an independent implementation. Tolerance for prompt logits:
+max |pagoda - transformers| <= 2e-3 absolute (logits are O(10); both run
+float32, the difference is summation order across 30 layers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.core.batch import ScheduledChunk, SchedulerOutput
+from pagoda.core.config import EngineConfig
+from pagoda.core.engine import Engine
+from pagoda.core.model.loader import load_model
+from pagoda.core.model.runner import TorchModelRunner
+from pagoda.core.request import Request
+from pagoda.core.sampling_params import SamplingParams
+from tests.model_fixtures import default_gguf_path, default_model_dir, default_tokenizer  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+
+LOGITS_ATOL = 2e-3
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a rainbow forms, step by step.",
+    "Give me three tips for learning a new language, with an example for each.",
+    "Describe the water cycle to a ten-year-old.",
+    "What are the main differences between cats and dogs as pets?",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf_path):  # noqa: F811
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pagoda_runner(default_model_dir):  # noqa: F811
+    model, _ = load_model(default_model_dir, "float32", "cpu", max_positions=1024)
+    return TorchModelRunner(model, num_blocks=256, block_size=16)
+
+
+def pagoda_prompt_logits(runner, ids):
+    """Logits [T, V] of every prompt position through the runner's paged path."""
+    request = Request("p", list(ids), SamplingParams())
+    table = tuple(range(-(-len(ids) // runner.block_size)))
+    inputs = runner.prepare(SchedulerOutput([ScheduledChunk(request, 0, len(ids), table)], runner.block_size))
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        return runner.model.compute_logits(hidden[: len(ids)])
+
+
+def pagoda_greedy(runner, prompts, max_tokens):
+    """Greedy outputs of all prompts, run together through the engine."""
+    config = EngineConfig(num_blocks=runner.num_blocks, block_size=runner.block_size, max_running=8,
+                          max_batched_tokens=256, max_model_len=1024)
+    engine = Engine(runner, config, eos_token_ids=(2,))
+    out = {}
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+        out[str(i)] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def hf_greedy(hf_model, ids, max_tokens):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                eos_token_id=2, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_capital_of_france_matches_transformers(hf_model, pagoda_runner, default_tokenizer):  # noqa: F811
+    ids = default_tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert len(ids) == 37 and ids[:10] == [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
+    ours = pagoda_prompt_logits(pagoda_runner, ids)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([ids])).logits[0]
+    assert ours.shape == theirs.shape == (37, 49152)
+    assert (ours - theirs).abs().max().item() <= LOGITS_ATOL
+    (tokens,) = pagoda_greedy(pagoda_runner, [ids], 16)
+    assert tokens == hf_greedy(hf_model, ids, 16)
+    assert default_tokenizer.decode(tokens, skip_special_tokens=False) == "The capital of France is Paris.<|im_end|>"
+
+
+@pytest.mark.slow
+def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_runner, default_tokenizer):  # noqa: F811
+    prompts = [default_tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    ours = pagoda_greedy(pagoda_runner, prompts, 32)
+    for ids, tokens in zip(prompts, ours):
+        assert len(tokens) == 32  # each answer is long enough to compare 32 tokens
+        assert tokens == hf_greedy(hf_model, ids, 32)
+        logits = pagoda_prompt_logits(pagoda_runner, ids)
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([ids])).logits[0]
+        assert (logits - theirs).abs().max().item() <= LOGITS_ATOL

@@ -1,0 +1,176 @@
+"""The Llama decoder: paged forward vs the dense reference, and per-op batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.core.model.config import named_config
+from pagoda.core.model.llama import (
+    MKL_PADDED,
+    ONEDNN,
+    PLAIN,
+    StepContext,
+    apply_rope,
+    build_model,
+    rope_inv_freq,
+    rope_tables,
+    select_matmul,
+)
+from pagoda.kernels import AttentionMetadata, select_backend
+
+BLOCK_SIZE = 4
+
+
+def tiny_model(seed=0, **overrides):
+    model = build_model(named_config("tiny", **overrides), max_positions=256)
+    model.init_random_weights(seed=seed, std=0.1)
+    return model
+
+
+def empty_caches(model, num_blocks=64):
+    c = model.config
+    shape = (num_blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_hidden_layers)]
+
+
+def paged_step(model, caches, seqs, pad_to=None):
+    """One flat forward over seqs = [(token_ids, start, block_table)]; returns logits of every new token."""
+    ids = [t for toks, _, _ in seqs for t in toks]
+    pos = [p for toks, start, _ in seqs for p in range(start, start + len(toks))]
+    meta = AttentionMetadata.build(
+        [len(t) for t, _, _ in seqs], [s + len(t) for t, s, _ in seqs], [bt for _, _, bt in seqs], BLOCK_SIZE
+    )
+    n = len(ids)
+    pad_to = pad_to or model.matmul.row_multiple
+    padded = -(-n // pad_to) * pad_to
+    ctx = StepContext(meta=meta, kv_caches=caches, backend=select_backend("cpu", "reference"), num_tokens=n)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids + [0] * (padded - n)), torch.tensor(pos + [0] * (padded - n)), ctx)
+        return model.compute_logits(hidden[:n])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_word_embeddings": False}], ids=["llama", "qwen2-bias"])
+def test_paged_prefill_matches_dense_forward(overrides):
+    model = tiny_model(**overrides)
+    prompt = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        dense = model.reference_forward(torch.tensor(prompt))  # [T, V]
+    paged = paged_step(model, empty_caches(model), [(prompt, 0, list(range(10, 20)))], pad_to=4)
+    assert paged.shape == dense.shape == (37, model.config.vocab_size)
+    torch.testing.assert_close(paged, dense, rtol=1e-4, atol=1e-4)
+    assert dense.std() > 0.1  # the weights are not so small that every logit is the same
+
+
+def test_decode_one_token_at_a_time_matches_dense_forward():
+    model = tiny_model(seed=3)
+    tokens = torch.randint(0, model.config.vocab_size, (25,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        dense = model.reference_forward(torch.tensor(tokens))
+    caches = empty_caches(model)
+    table = [7, 3, 12, 5, 9, 1, 30]  # scattered, out-of-order blocks
+    rows = [paged_step(model, caches, [(tokens[:10], 0, table)])]
+    for p in range(10, 25):
+        rows.append(paged_step(model, caches, [(tokens[p : p + 1], p, table)], pad_to=4))
+    torch.testing.assert_close(torch.cat(rows), dense, rtol=1e-4, atol=1e-4)
+
+
+def test_gqa_heads_read_their_own_kv_head():
+    # With one KV head per query head the model is plain MHA; GQA must differ from it.
+    mha = tiny_model(num_key_value_heads=4)
+    gqa = tiny_model(num_key_value_heads=2)
+    prompt = list(range(3, 20))
+    for model in (mha, gqa):
+        paged = paged_step(model, empty_caches(model), [(prompt, 0, list(range(5)))])
+        with torch.inference_mode():
+            torch.testing.assert_close(paged, model.reference_forward(torch.tensor(prompt)), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_rotates_pairs_half_apart():
+    config = named_config("tiny")
+    cos, sin = rope_tables(config, 8)
+    x = torch.randn(8, 1, config.head_dim)
+    out = apply_rope(x, cos, sin)
+    half = config.head_dim // 2
+    theta = torch.arange(8)[:, None] * rope_inv_freq(config)[None, :]  # [8, D/2]
+    x1, x2 = x[:, 0, :half], x[:, 0, half:]
+    torch.testing.assert_close(out[:, 0, :half], x1 * theta.cos() - x2 * theta.sin())
+    torch.testing.assert_close(out[:, 0, half:], x2 * theta.cos() + x1 * theta.sin())
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+
+
+def test_llama3_scaling_slows_only_long_wavelengths():
+    base = named_config("tiny", rope_theta=500000.0)
+    scaled = named_config("llama-3.2-1b")
+    assert scaled.rope_scaling is not None
+    plain = rope_inv_freq(named_config("llama-3.2-1b", rope_scaling=None))
+    stretched = rope_inv_freq(scaled)
+    assert torch.equal(stretched[:4], plain[:4])  # short wavelengths untouched
+    torch.testing.assert_close(stretched[-4:], plain[-4:] / scaled.rope_scaling.factor)
+    assert base.rope_scaling is None
+
+
+# -- batch invariance, op by op ------------------------------------------------
+SIZES = list(range(1, 65)) + [100, 257, 1024]
+SAMPLE_SIZES = list(range(1, 18)) + [33, 64]  # rows reaching the LM head: one per sampling sequence
+CPU_KERNELS = [k for k in (ONEDNN, MKL_PADDED) if k is not ONEDNN or select_matmul("cpu") is ONEDNN]
+
+
+def _padded(fn, x, multiple):
+    """Apply fn to x padded with zero rows to a multiple of `multiple`, as the runner does."""
+    n = x.shape[0]
+    pad = -(-n // multiple) * multiple - n
+    return fn(torch.cat((x, x.new_zeros(pad, *x.shape[1:]))))[:n]
+
+
+def _row_is_invariant(fn, width, multiple, sizes=SIZES, seed=0):
+    """The probe row gets the same bits at every batch size and position (with padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    probe = torch.randn(1, width, generator=gen)
+    crowd = torch.randn(max(sizes), width, generator=gen)
+    want = _padded(fn, probe, multiple)[0]
+    for n in sizes:
+        for at in {0, n // 2, n - 1}:
+            x = crowd[:n].clone()
+            x[at] = probe[0]
+            if not torch.equal(_padded(fn, x, multiple)[at], want):
+                return False, (n, at)
+    return True, None
+
+
+def test_cpu_float32_default_is_a_batch_invariant_kernel():
+    assert select_matmul("cpu").row_multiple > 1
+    assert select_matmul("cpu", torch.bfloat16) is PLAIN  # no invariance claimed outside float32
+
+
+@pytest.mark.parametrize("matmul", CPU_KERNELS, ids=lambda k: k.name)
+def test_each_op_is_batch_invariant_with_row_padding(matmul):
+    model = build_model(named_config("smollm2-135m", num_hidden_layers=1), max_positions=64, matmul=matmul)
+    model.init_random_weights(seed=0)
+    layer = model.model.layers[0]
+    h, d = model.config.hidden_size, model.config.head_dim
+    cos, sin = model.rope_cos[17:18], model.rope_sin[17:18]
+    ops = {
+        "rmsnorm": (layer.input_layernorm, h, SIZES),
+        "qkv_proj": (layer.self_attn.qkv_proj, h, SIZES),
+        "rope": (lambda x: apply_rope(x.view(x.shape[0], -1, d), cos.expand(x.shape[0], d), sin.expand(x.shape[0], d)).flatten(1), 4 * d, SIZES),
+        "o_proj": (layer.self_attn.o_proj, model.config.q_size, SIZES),
+        "mlp": (layer.mlp, h, SIZES),
+        "lm_head": (model.compute_logits, h, SAMPLE_SIZES),
+    }
+    with torch.inference_mode():
+        for name, (fn, width, sizes) in ops.items():
+            ok, where = _row_is_invariant(fn, width, matmul.row_multiple, sizes)
+            assert ok, f"{name}: row differs at (batch size, position) {where}"
+
+
+@pytest.mark.parametrize("matmul", CPU_KERNELS, ids=lambda k: k.name)
+def test_without_padding_the_kernel_is_not_batch_invariant(matmul):
+    """Why the runner pads: shows the hazard on this machine (skipped where the BLAS has none)."""
+    w = torch.randn(1536, 576)
+    x = torch.randn(8, 576)
+    together = matmul.linear(x, w, None)
+    differs = [i for i in range(8) if not torch.equal(matmul.linear(x[i : i + 1], w, None)[0], together[i])]
+    if not differs:
+        pytest.skip(f"{matmul.name} gives a lone row the same bits as a row in a batch here")
+    assert _row_is_invariant(lambda t: matmul.linear(t, w, None), 576, matmul.row_multiple)[0]  # padding removes it
