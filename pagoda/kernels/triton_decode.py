@@ -31,6 +31,11 @@ TILE_N = 32  # positions per tile inside a split; divides SPLIT_SIZE
 LOG2E = 1.4426950408889634
 
 
+def dot_precision(q: Tensor) -> str:
+    """Full float32 products for float32 inputs (no TF32); 16-bit inputs keep the default."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr,
@@ -150,7 +155,7 @@ def decode_attention(
         meta.block_tables.stride(0),
         part_m.stride(0), part_m.stride(1), part_m.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=SPLIT_SIZE, PRECISION="ieee",
+        BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=SPLIT_SIZE, PRECISION=dot_precision(q),
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_acc, part_m, part_l, meta.seq_lens, meta.query_start_loc,

@@ -24,10 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.triton_decode import LOG2E, TILE_N, dot_precision
 
-BLOCK_M = 64  # q rows per program: tokens x padded group
-TILE_N = 32  # key positions per tile (same tiling as triton_decode)
-LOG2E = 1.4426950408889634
+BLOCK_M = 64  # q rows per program: tokens x padded group; keys in tiles of TILE_N, as in decode
 
 
 @triton.jit
@@ -119,6 +118,6 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, PRECISION="ieee",
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, TILE=TILE_N, PRECISION=dot_precision(q),
     )  # fmt: skip
     return out
