@@ -21,60 +21,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.api.app import create_app
-from pagoda.api.model_loading import EngineOptions, build_engine
-from pagoda.api.server import BackgroundServer
-from pagoda.api.settings import ServeSettings
-from pagoda.core.async_engine import AsyncEngine
+from pagoda.api.live_server import LiveServer, start_server  # noqa: F401  (re-exported for tests)
 from pagoda.core.model.config import named_config
-from pagoda.plugins.manager import load_plugins
 from tests.model_fixtures import default_model_dir  # noqa: F401  (a fixture used below)
 
 TINY_NAME = "tiny-random"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-@dataclass
-class LiveServer:
-    """A running server and the engine behind it."""
-
-    url: str
-    async_engine: AsyncEngine
-    server: BackgroundServer
-    model_name: str
-    api_key: str | None = None
-
-    def openai(self, **kw: Any):
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", self.api_key or "unused"),
-                             max_retries=0, timeout=120, **kw)
-
-    def anthropic(self, **kw: Any):
-        import anthropic
-
-        return anthropic.Anthropic(base_url=self.url, api_key=kw.pop("api_key", self.api_key or "unused"),
-                                   max_retries=0, timeout=120, **kw)
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120)
-
-    def health(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/health", timeout=60).json()
-
-    def assert_pool_whole(self) -> dict[str, Any]:
-        """Ask the engine loop (not the allocator from this thread) that it is idle, audited and whole."""
-        async def check() -> dict[str, int]:
-            await self.async_engine.wait_until_idle()
-            await self.async_engine.audit()
-            return await self.async_engine.stats()
-
-        stats = asyncio.run(asyncio.wait_for(check(), 60))
-        assert stats["running"] == 0 and stats["waiting"] == 0, stats
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
-        health = self.health()
-        assert health["status"] == "ok" and health["kv_blocks_free"] == health["kv_blocks_total"], health
-        return stats
 
 
 def write_tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -118,18 +70,6 @@ def write_tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out / name)
     return out
-
-
-def start_server(model_dir: Path, model_name: str, *, api_key: str | None = None, environ: dict[str, str] | None = None,
-                 **engine_options: Any) -> LiveServer:
-    """Build the engine through the real loading path and serve it; stop it with `.server.stop()`."""
-    options = EngineOptions(model=str(model_dir), device="cpu", dtype="float32", **engine_options)
-    engine, tokenizer, _ = build_engine(options, progress=False)
-    async_engine = AsyncEngine(engine)
-    settings = ServeSettings(served_model_name=model_name, api_key=api_key)
-    app = create_app(async_engine, tokenizer, load_plugins(environ or {}), settings)
-    server = BackgroundServer(app).start()
-    return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,252 @@
+"""The acceptance crowd: one comparison instead of a checklist.
+
+Run every plan alone on a live server, run them all together on the same
+server, and require byte-identical answers from every client that stayed.
+Concurrency is the only variable between the two passes. The crowd must also
+prove it was hard: requests overlapped (peak running > 1, sampled from
+/health while the crowd is in flight) and preemption happened (recomputed
+positions > 0). Afterwards the pool is checked twice, because they are two
+questions: the ledger audit (is it consistent?) and the counters (is it empty?).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from pagoda.api.crowd_client import ClientOutcome, run_client
+from pagoda.core.config import EngineConfig
+from pagoda.simulator.clock import CostModel
+from pagoda.simulator.crowd import ClientPlan
+from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
+
+
+@dataclass
+class CrowdReport:
+    outcomes: dict[str, ClientOutcome]
+    peak_active: int = 0  # clients in flight at once, counted by the harness
+    peak_running: int = 0  # requests running in the engine, sampled from /health
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    wall_seconds: float = 0.0
+    health_samples: int = 0
+    steps: int = 0  # engine steps the crowd took
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.wall_seconds / max(1, self.steps)
+
+    def summary(self) -> dict:
+        statuses = [o.status for o in self.outcomes.values()]
+        return {
+            "clients": len(statuses),
+            "completed": statuses.count("completed"),
+            "hung_up": statuses.count("hung_up"),
+            "failed": statuses.count("failed"),
+            "peak_active": self.peak_active,
+            "peak_running": self.peak_running,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "steps": self.steps,
+        }
+
+
+@dataclass
+class _Gauge:
+    active: int = 0
+    peak: int = 0
+    samples: list[dict] = field(default_factory=list)
+
+
+async def health(http: httpx.AsyncClient) -> dict:
+    response = await http.get("/health")
+    response.raise_for_status()
+    return response.json()
+
+
+async def run_solo(base_url: str, plans: list[ClientPlan], model: str, headers: dict | None = None) -> dict[str, ClientOutcome]:
+    """Each plan alone, one at a time, never hanging up: the baseline."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+        outcomes = {}
+        for plan in plans:
+            outcomes[plan.client_id] = await run_client(http, plan.alone(), model, headers)
+        return outcomes
+
+
+async def run_crowd(
+    base_url: str, plans: list[ClientPlan], model: str, headers: dict | None = None, max_connections: int | None = None
+) -> CrowdReport:
+    """All plans at once over one connection pool, each starting at its arrival time."""
+    limits = httpx.Limits(max_connections=max_connections or len(plans) + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+        before = await health(http)
+        gauge = _Gauge()
+        started = time.perf_counter()
+        sampler = asyncio.ensure_future(_sample_health(http, gauge))
+        try:
+            results = await asyncio.gather(*(_arrive(http, plan, model, headers, gauge) for plan in plans))
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        wall = time.perf_counter() - started
+        after = await health(http)
+    return CrowdReport(
+        outcomes={o.client_id: o for o in results},
+        peak_active=gauge.peak,
+        peak_running=max((s["running"] for s in gauge.samples), default=0),
+        preemptions=after["preemptions_total"] - before["preemptions_total"],
+        recomputed_tokens=after["recomputed_tokens_total"] - before["recomputed_tokens_total"],
+        wall_seconds=wall,
+        health_samples=len(gauge.samples),
+        steps=after["steps_total"] - before["steps_total"],
+    )
+
+
+async def _arrive(http, plan: ClientPlan, model: str, headers, gauge: _Gauge) -> ClientOutcome:
+    await asyncio.sleep(plan.arrival)  # the plan's arrival time is part of the workload, not a wait
+    gauge.active += 1
+    gauge.peak = max(gauge.peak, gauge.active)
+    try:
+        return await run_client(http, plan, model, headers)
+    finally:
+        gauge.active -= 1
+
+
+async def _sample_health(http: httpx.AsyncClient, gauge: _Gauge, every: float = 0.01) -> None:
+    """Read /health (answered by the engine loop) for as long as the crowd is in flight."""
+    while True:
+        gauge.samples.append(await health(http))
+        await asyncio.sleep(every)
+
+
+# -- the checks ----------------------------------------------------------------
+def check_answers(solo: dict[str, ClientOutcome], crowd: CrowdReport) -> int:
+    """Every completed crowd answer is byte-identical to its solo answer; returns how many were compared."""
+    mismatches = []
+    compared = 0
+    for client_id, outcome in crowd.outcomes.items():
+        if outcome.status != "completed":
+            continue
+        alone = solo[client_id]
+        compared += 1
+        if (outcome.text, outcome.finish_reason) != (alone.text, alone.finish_reason):
+            mismatches.append(f"{client_id}: crowd {outcome.text!r} ({outcome.finish_reason}) != solo {alone.text!r} ({alone.finish_reason})")
+    if mismatches:
+        raise AssertionError("answers differ between crowd and solo:\n" + "\n".join(mismatches))
+    return compared
+
+
+def check_survivors(plans: list[ClientPlan], crowd: CrowdReport) -> None:
+    """Every client that did not hang up completed, with a finish reason its token count explains."""
+    problems = []
+    for plan in plans:
+        outcome = crowd.outcomes[plan.client_id]
+        if plan.hangup_after is not None:
+            continue
+        if outcome.status != "completed":
+            problems.append(f"{plan.client_id}: {outcome.status} {outcome.error or ''}")
+        elif outcome.finish_reason == "length" and outcome.output_tokens != plan.max_tokens:
+            problems.append(f"{plan.client_id}: length after {outcome.output_tokens} of {plan.max_tokens} tokens")
+        elif outcome.finish_reason not in ("stop", "length") or (outcome.output_tokens or 0) > plan.max_tokens:
+            problems.append(f"{plan.client_id}: finish {outcome.finish_reason} with {outcome.output_tokens} tokens")
+    if problems:
+        raise AssertionError("survivors did not complete properly:\n" + "\n".join(problems))
+
+
+async def check_pool_returned(base_url: str, audit: Callable[[], Awaitable[None]]) -> dict:
+    """First the ledger audit (consistent?), then the counters (empty?): a running leftover passes one, not the other."""
+    await audit()
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        stats = await health(http)
+    if (stats["running"], stats["waiting"]) != (0, 0) or stats["kv_blocks_free"] != stats["kv_blocks_total"]:
+        raise AssertionError(f"the pool did not come back: {stats}")
+    return stats
+
+
+# -- the live run replayed in the simulator --------------------------------------
+def as_simulated(plans: list[ClientPlan], solo: dict[str, ClientOutcome]) -> list[ClientPlan]:
+    """The live crowd as the simulator's crowd: the same arrivals, lengths and hang-ups, token ids for text.
+
+    The fake model has its own EOS, so the replay ignores it: the live clients that completed ran to a
+    length the plan fixes (the check below compares only who completed).
+    """
+    return [
+        dataclasses.replace(plan, prompt_text=None, prompt=None, prompt_len=solo[plan.client_id].prompt_tokens,
+                            max_tokens=solo[plan.client_id].output_tokens or plan.max_tokens, ignore_eos=True)
+        for plan in plans
+    ]
+
+
+def predict_in_simulator(plans: list[ClientPlan], solo: dict[str, ClientOutcome], engine: EngineConfig,
+                         seconds_per_step: float) -> SimulationReport:
+    """Replay the crowd with the live server's engine config and its measured seconds per step."""
+    cost = CostModel(step_overhead_s=seconds_per_step, per_token_s=0.0, per_sequence_s=0.0)
+    return simulate(as_simulated(plans, solo), SimulationConfig(engine=engine, cost=cost))
+
+
+def check_prediction(prediction: SimulationReport, crowd: CrowdReport) -> None:
+    """The simulator and the live run agree on which clients completed."""
+    predicted = {r.client_id for r in prediction.results if r.status == "completed"}
+    live = {cid for cid, o in crowd.outcomes.items() if o.status == "completed"}
+    if predicted != live:
+        raise AssertionError(f"simulator predicted completions {sorted(predicted)}, live run had {sorted(live)}")
+
+
+# -- the crowds of the acceptance suite ------------------------------------------
+TINY_PROMPTS = (
+    "Tell me about the sea.",
+    "List three colours and a number.",
+    "Why is the sky blue? Answer briefly, please.",
+    "Write a haiku about paged memory.",
+    "What is 17 times 3?",
+    "Name a river in Africa and one in Asia.",
+    "Describe a pagoda in one sentence.",
+    "Give me a word that rhymes with cache.",
+    "Count from one to five.",
+    "What do bees make?",
+    "Translate 'good morning' to French.",
+    "Summarise the plot of a fairy tale.",
+)
+
+
+def tiny_crowd(max_tokens: int = 40) -> list[ClientPlan]:
+    """12 clients: every protocol streaming and unary, 8 sampled / 4 greedy, 3 that will hang up."""
+    protocols = ("completions", "chat", "responses", "messages")
+    streaming = {0, 1, 2, 3, 8, 9}  # 6 streaming, 6 unary; each protocol both ways
+    greedy = {0, 5, 10, 7}
+    samplers = [dict(temperature=0.8), dict(temperature=1.0, top_k=40), dict(temperature=0.7, top_p=0.9),
+                dict(temperature=0.9, top_k=5, top_p=0.8)]
+    plans = []
+    for i, text in enumerate(TINY_PROMPTS):
+        sampling = {} if i in greedy else {**samplers[i % len(samplers)], "seed": 1000 + i}
+        plans.append(ClientPlan(client_id=f"t{i:02d}", arrival=0.004 * i, prompt_text=text, max_tokens=max_tokens,
+                                stream=i in streaming, protocol=protocols[i % 4], **sampling))
+    return plans
+
+
+TINY_HANGUPS = ("t02", "t06", "t11")  # a streaming and two unary clients, three protocols
+
+
+def with_hangups(plans: list[ClientPlan], solo: dict[str, ClientOutcome], client_ids=TINY_HANGUPS) -> list[ClientPlan]:
+    """The named clients hang up half-way: at half the time their request took alone."""
+    return [dataclasses.replace(p, hangup_after=round(solo[p.client_id].seconds / 2, 4)) if p.client_id in client_ids
+            else p for p in plans]
+
+
+def default_model_crowd(max_tokens: int = 40) -> list[ClientPlan]:
+    """Four clients on the default model that disagree about sampling, on four protocols."""
+    question = "Describe Paris in three sentences."
+    return [
+        ClientPlan("greedy", prompt_text=question, max_tokens=max_tokens, protocol="chat", stream=True),
+        ClientPlan("seed0", prompt_text=question, max_tokens=max_tokens, protocol="responses", temperature=0.8, seed=0),
+        ClientPlan("seed1", prompt_text=question, max_tokens=max_tokens, protocol="messages", temperature=0.8, seed=1,
+                   stream=True),
+        ClientPlan("topk40", prompt_text="Paris is a city that", max_tokens=max_tokens, protocol="completions",
+                   temperature=1.0, top_k=40, seed=7),
+    ]

@@ -1,0 +1,93 @@
+"""The acceptance crowd on the tiny random model: 12 clients, 3 running slots, a pool that must preempt.
+
+Pool size: measured (docs/acceptance.md). With 3 running slots and answers of 40 tokens, the chat-style
+prompts (~40 tokens with the chat template) need up to 5 blocks of 16 each, so three at once want up to
+15. Measured: 8 blocks -> 6 preemptions, 263 positions recomputed; 10 -> 6 and 262; 12 and 16 -> none
+(the short completions prompts leave room). 8 blocks still hold the largest single request (5 blocks).
+"""
+
+import asyncio
+
+import pytest
+
+from pagoda.api.acceptance import (
+    check_answers,
+    check_pool_returned,
+    check_prediction,
+    check_survivors,
+    predict_in_simulator,
+    run_crowd,
+    run_solo,
+    tiny_crowd,
+    with_hangups,
+)
+from pagoda.api.live_server import live_server
+from pagoda.core.config import EngineConfig
+
+TINY_POOL = EngineConfig(num_blocks=8, block_size=16, max_running=3, max_batched_tokens=256, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def crowd_server(tiny_model_dir):
+    c = TINY_POOL
+    with live_server(tiny_model_dir, "tiny-random", num_blocks=c.num_blocks, block_size=c.block_size,
+                     max_running=c.max_running, max_batched_tokens=c.max_batched_tokens,
+                     max_model_len=c.max_model_len) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def tiny_run(crowd_server):
+    """Solo pass, then the crowd with three clients hanging up half-way."""
+    async def run():
+        plans = tiny_crowd()
+        solo = await run_solo(crowd_server.url, plans, crowd_server.model_name)
+        plans = with_hangups(plans, solo)
+        crowd = await run_crowd(crowd_server.url, plans, crowd_server.model_name)
+        await asyncio.wait_for(crowd_server.async_engine.wait_until_idle(), 60)
+        return plans, solo, crowd
+
+    return asyncio.run(run())
+
+
+def test_the_crowd_was_hard(tiny_run):
+    plans, solo, crowd = tiny_run
+    summary = crowd.summary()
+    print(summary)
+    assert len(plans) == 12 and summary["peak_active"] > 3  # more clients than running slots
+    assert crowd.peak_running > 1  # requests overlapped in the engine
+    assert crowd.recomputed_tokens > 0 and crowd.preemptions > 0  # the pool forced preemption
+    assert summary["hung_up"] == 3
+
+
+def test_every_completed_answer_is_byte_identical_to_its_solo_run(tiny_run):
+    plans, solo, crowd = tiny_run
+    assert all(o.status == "completed" and o.text for o in solo.values())
+    assert check_answers(solo, crowd) == 9
+
+
+def test_survivors_completed_with_the_right_finish_reason(tiny_run):
+    plans, solo, crowd = tiny_run
+    check_survivors(plans, crowd)
+
+
+def test_the_pool_came_back(tiny_run, crowd_server):
+    stats = asyncio.run(check_pool_returned(crowd_server.url, crowd_server.async_engine.audit))
+    assert stats["aborted_total"] >= 3  # the three that hung up were aborted, not run to the end
+
+
+def test_the_simulator_predicts_who_completed(tiny_run):
+    plans, solo, crowd = tiny_run
+    prediction = predict_in_simulator(plans, solo, TINY_POOL, crowd.seconds_per_step)
+    assert prediction.ok
+    check_prediction(prediction, crowd)
+
+
+def test_a_crowd_of_one_does_not_pass_for_hard(crowd_server):
+    """The difficulty checks are not vacuous: one client alone neither overlaps nor preempts."""
+    async def run():
+        plan = tiny_crowd()[4]
+        return await run_crowd(crowd_server.url, [plan], crowd_server.model_name)
+
+    crowd = asyncio.run(run())
+    assert crowd.peak_running <= 1 and crowd.preemptions == 0
