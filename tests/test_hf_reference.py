@@ -2,8 +2,9 @@
 
 transformers dequantizes the GGUF itself and runs its own Llama: the same
 weights through an independent implementation. Tolerance for prompt logits:
-max |pagoda - transformers| <= 2e-3 absolute (logits are O(10); both run
-float32, the difference is summation order across 30 layers).
+max |pagoda - transformers| <= 1e-3 absolute over every position and every
+vocabulary entry (logits reach ~38; both run float32 and differ only in
+summation order across 30 layers; measured 1.2e-4).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.model_fixtures import default_gguf_path, default_model_dir, default_t
 
 transformers = pytest.importorskip("transformers")
 
-LOGITS_ATOL = 2e-3
+LOGITS_ATOL = 1e-3
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a rainbow forms, step by step.",
@@ -102,3 +103,13 @@ def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_r
         with torch.no_grad():
             theirs = hf_model(torch.tensor([ids])).logits[0]
         assert (logits - theirs).abs().max().item() <= LOGITS_ATOL
+
+
+def test_generate_command_answers_paris(default_model_dir, monkeypatch, capsys):  # noqa: F811
+    from pagoda.api.cli import main
+
+    monkeypatch.setenv("PAGODA_HOME", str(default_model_dir.parent.parent))  # the fixture's imported model
+    assert main(["generate", "What is the capital of France?", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "The capital of France is Paris."
+    assert "tokens/s" in err

@@ -65,7 +65,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, f"must be a positive integer, got {value!r}")
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            _require(ok, name, f"must be a positive integer, got {value!r}")
         if self.head_dim == 0:
             _require(self.hidden_size % self.num_attention_heads == 0, "head_dim",
                      "is absent and hidden_size is not a multiple of num_attention_heads")

@@ -12,7 +12,7 @@ always see a row count the caller chose (see `runner.py` on batch invariance).
 
 Weights are named as in Hugging Face checkpoints, except that q/k/v and
 gate/up are stored stacked (`qkv_proj`, `gate_up_proj`): one matrix product
-instead of three or two. `load_weights` maps the checkpoint's names.
+instead of three or two (`loader.load_weights` maps the checkpoint's names).
 
 `reference_forward` is the plain path beside the paged one: dense causal
 attention over one sequence, used by tests as the oracle.
@@ -21,7 +21,7 @@ attention over one sequence, used by tests as the oracle.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +173,8 @@ class Attention(nn.Module):
         t = cos.shape[0]
         qkv = self.qkv_proj(x)[:t]
         # q and k heads are adjacent columns: rotate them in one pass.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
@@ -194,8 +195,8 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # SDPA wants [heads, T, D]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=self.scale)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants [heads, T, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.q_size))
 
 
@@ -244,7 +245,9 @@ class Transformer(nn.Module):
         self.matmul = matmul
         self.max_positions = max_positions or config.max_position_embeddings
         self.model = DecoderStack(config, matmul, **factory)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, matmul, **factory)
+        self.lm_head = None  # tied: the LM head is the embedding matrix
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, matmul, **factory)
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         if self.rope_cos.device.type != "meta":
@@ -284,59 +287,12 @@ class Transformer(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.compute_logits(self.model.norm(h))
 
-    # -- weights --------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named checkpoint tensors in; raises ValueError naming any missing or unknown tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
-                continue  # derived from the config / the tied embedding
-            target, rows = self._stacked_target(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            dest = params[target].data if rows is None else params[target].data[rows]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(self.checkpoint_names()) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-
-    def _stacked_target(self, name: str) -> tuple[str, slice | None]:
-        """Map an HF tensor name to (our parameter, the row slice it fills)."""
-        c = self.config
-        parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
-        if len(parts) == 3:
-            prefix, proj, kind = parts
-            qkv = {"q_proj": slice(0, c.q_size), "k_proj": slice(c.q_size, c.q_size + c.kv_size),
-                   "v_proj": slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
-            gate_up = {"gate_proj": slice(0, c.intermediate_size), "up_proj": slice(c.intermediate_size, 2 * c.intermediate_size)}
-            if proj in qkv:
-                return f"{prefix}.qkv_proj.{kind}", qkv[proj]
-            if proj in gate_up:
-                return f"{prefix}.gate_up_proj.{kind}", gate_up[proj]
-        return name, None
-
-    def checkpoint_names(self) -> list[str]:
-        """The HF tensor names a checkpoint of this model must hold."""
-        names = []
-        for name, _ in self.named_parameters():
-            prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
-            if proj == "qkv_proj":
-                names += [f"{prefix}.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
-            elif proj == "gate_up_proj":
-                names += [f"{prefix}.{p}.{kind}" for p in ("gate_proj", "up_proj")]
-            else:
-                names.append(name)
-        return names
-
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Fill every weight from a seeded normal (norms get 1 + noise): for tests and benchmarks."""
-        gen = torch.Generator().manual_seed(seed)
+        gens: dict[torch.device, torch.Generator] = {}
         for name, p in sorted(self.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen) * std
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std
             p.data.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
 
 

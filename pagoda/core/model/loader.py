@@ -9,7 +9,7 @@ target dtype, so peak memory is the model plus one tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -100,7 +100,56 @@ def load_model(
     device = resolve_device(device)
     model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions, matmul=matmul)
     try:
-        model.load_weights(iter_checkpoint(files))
+        load_weights(model, iter_checkpoint(files))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
     return model, config
+
+
+def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named checkpoint tensors into the model; ValueError names a missing, unknown or misshapen one."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
+            continue  # derived from the config / the tied embedding
+        target, rows = _stacked_target(model.config, name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
+        dest = params[target].data if rows is None else params[target].data[rows]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor)  # casts to the model's dtype and device
+        loaded.add(name)
+    missing = sorted(set(checkpoint_names(model)) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _stacked_target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
+    """Map an HF tensor name to (our parameter, the rows it fills): q/k/v and gate/up are stacked."""
+    parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
+    if len(parts) == 3:
+        prefix, proj, kind = parts
+        q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+        stacked = {
+            "q_proj": ("qkv_proj", slice(0, q)),
+            "k_proj": ("qkv_proj", slice(q, q + kv)),
+            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+            "gate_proj": ("gate_up_proj", slice(0, inter)),
+            "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        }
+        if proj in stacked:
+            ours, rows = stacked[proj]
+            return f"{prefix}.{ours}.{kind}", rows
+    return name, None
+
+
+def checkpoint_names(model: Transformer) -> list[str]:
+    """The HF tensor names a checkpoint of this model must hold."""
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    names = []
+    for name, _ in model.named_parameters():
+        prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+        names += [f"{prefix}.{p}.{kind}" for p in parts[proj]] if proj in parts else [name]
+    return names

@@ -71,6 +71,8 @@ class TorchModelRunner:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)  # [Tp, H]
+        if inputs.num_samples == 0:  # only partial prefill chunks this step
+            return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [Sp, V]
         return RunnerOutput(logits=logits[: inputs.num_samples])
 
@@ -149,7 +151,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def auto_num_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, *,
                     max_model_len: int | None = None, fraction: float | None = None,
-                    cpu_cap_bytes: int = 4 << 30) -> int:
+                    cpu_cap_bytes: int = 2 << 30) -> int:
     """Size the KV pool from free memory when the user gives no --num-blocks.
 
     CPU: 20% of available RAM, capped at `cpu_cap_bytes` (the model and other

@@ -1,0 +1,210 @@
+"""`pagoda bench offline`: the engine against HF transformers on the same prompts, and decode against its floor.
+
+Three measurements in one run, on the same weights and prompts:
+- throughput: N prompts through the engine at once, against transformers'
+  `generate` one prompt at a time and all prompts in one padded batch
+  (generated tokens per second of wall time, prefill included);
+- single-stream decode: one request's decode steps (prefill excluded), as
+  tokens per second from the median step, against the floor: every weight
+  byte read once per step at the measured copy bandwidth (read + write bytes
+  of a large torch copy, as STREAM counts);
+- with --compare-invariance, the same engine runs again with the plain
+  (not batch-invariant) matmul and attention, so the cost is measured.
+
+Prompts are random token ids (no special tokens) and every request generates
+exactly --max-tokens tokens on both sides (EOS is ignored), so the work is equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagoda.core.config import EngineConfig
+from pagoda.core.engine import Engine
+from pagoda.core.model.config import NAMED_CONFIGS, named_config
+from pagoda.core.model.llama import build_model
+from pagoda.core.model.runner import TorchModelRunner
+from pagoda.core.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    name: str
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed: int, first_id: int = 17) -> list[list[int]]:
+    """num_prompts random prompts cycling through `lengths`, avoiding the low (special) ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(first_id, vocab_size, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(num_prompts)]
+
+
+def make_engine(model, num_prompts: int, max_len: int, *, backend=None, block_size: int = 16,
+                max_batched_tokens: int = 2048) -> Engine:
+    """An engine whose pool holds every prompt at full length (no preemption in a benchmark)."""
+    num_blocks = num_prompts * -(-max_len // block_size) + 1
+    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=block_size, backend=backend)
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max(num_prompts, 1),
+                          max_batched_tokens=max_batched_tokens, max_model_len=max_len)
+    return Engine(runner, config)
+
+
+def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None) -> Result:
+    """All prompts added at once, stepped until done: generated tokens / wall seconds."""
+    engine = make_engine(model, len(prompts), max(map(len, prompts)) + max_tokens, backend=backend)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    _warm_up(engine, prompts[0], params)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    generated = sum(len(out.new_token_ids) for out in engine.run())
+    return Result(name, generated, time.perf_counter() - start)
+
+
+def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None) -> Result:
+    """One request: decode steps only, tokens per second from the median step time."""
+    engine = make_engine(model, 1, len(prompt) + max_tokens, backend=backend)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    _warm_up(engine, prompt, params)
+    engine.add_request("solo", prompt, params)
+    engine.step()  # the prefill
+    steps = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+    return Result(name, 1, statistics.median(steps))
+
+
+def _warm_up(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
+    # First calls build kernels' plans and fault in memory; keep them out of the timings.
+    engine.add_request("warm-up", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for _ in engine.run():
+        pass
+
+
+def hf_sequential(hf_model, prompts: list[list[int]], max_tokens: int) -> Result:
+    """transformers' generate, one prompt at a time."""
+    hf_generate(hf_model, [prompts[0]], 2)  # warm-up
+    start = time.perf_counter()
+    for ids in prompts:
+        hf_generate(hf_model, [ids], max_tokens)
+    return Result("transformers, one at a time", len(prompts) * max_tokens, time.perf_counter() - start)
+
+
+def hf_batched(hf_model, prompts: list[list[int]], max_tokens: int) -> Result:
+    """transformers' generate over all prompts in one left-padded batch."""
+    start = time.perf_counter()
+    hf_generate(hf_model, prompts, max_tokens)
+    return Result(f"transformers, padded batch of {len(prompts)}", len(prompts) * max_tokens, time.perf_counter() - start)
+
+
+def hf_generate(hf_model, prompts: list[list[int]], max_tokens: int) -> torch.Tensor:
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for row, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    with torch.no_grad():
+        return hf_model.generate(ids.to(hf_model.device), attention_mask=mask.to(hf_model.device), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: every parameter once (a tied LM head is the embedding)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def render(rows: list[tuple[str, str, str]]) -> str:
+    lines = ["| measurement | tokens/s | vs |", "|---|---:|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pagoda.core.model.hub import resolve_model
+    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.kernels import select_backend
+    from pagoda.kernels.bench import measure_copy_bandwidth
+
+    p = argparse.ArgumentParser(prog="pagoda bench offline", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default",
+                   help=f"'default', a Hugging Face directory, or a random-weight size: {', '.join(NAMED_CONFIGS)}")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-lens", default="64", help="comma-separated prompt lengths, cycled over the prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--compare-invariance", action="store_true", help="also run the plain, not batch-invariant kernels")
+    args = p.parse_args(argv)
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    lengths = [int(n) for n in args.prompt_lens.split(",")]
+    max_len = max(lengths) + args.max_tokens
+
+    def load(matmul=None):
+        """The model: an HF directory, or a named size with random weights (no download, no baselines)."""
+        if args.model in NAMED_CONFIGS:
+            config = named_config(args.model)
+            model = build_model(config, dtype=dtype, device=device, max_positions=max_len, matmul=matmul)
+            model.init_random_weights(seed=args.seed)
+            return model, config
+        return load_model(resolve_model(args.model), dtype=dtype, device=device, max_positions=max_len, matmul=matmul)
+
+    model, config = load()
+    prompts = make_prompts(config.vocab_size, lengths, args.num_prompts, args.seed)
+    print(f"model {args.model}: {config.num_parameters() / 1e6:.0f}M parameters, {device}, "
+          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; {args.num_prompts} prompts of "
+          f"{args.prompt_lens} tokens, {args.max_tokens} new tokens each", flush=True)
+
+    ours = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {args.num_prompts} prompts at once")
+    solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode")
+    copy_bw = measure_copy_bandwidth(device, 256 << 20)
+    floor_s = weight_bytes(model) / copy_bw
+    rows = [(ours.name, f"{ours.tokens_per_s:.1f}", ""),
+            (solo.name, f"{solo.tokens_per_s:.1f}",
+             f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "
+             f"{weight_bytes(model) / 1e6:.0f} MB per step at the copy bandwidth of {copy_bw / 1e9:.1f} GB/s; "
+             f"weights streamed at {weight_bytes(model) * solo.tokens_per_s / 1e9:.1f} GB/s)")]
+    if args.compare_invariance:
+        plain, _ = load(matmul="torch")
+        backend = select_backend(device, "cpu_sdpa") if device.type == "cpu" else None
+        plain_ours = engine_throughput(plain, prompts, args.max_tokens, "engine, plain kernels", backend)
+        plain_solo = single_stream_decode(plain, prompts[0], args.max_tokens, "single-stream, plain kernels", backend)
+        for plain_result, invariant in ((plain_ours, ours), (plain_solo, solo)):
+            ratio = invariant.tokens_per_s / plain_result.tokens_per_s
+            rows.append((plain_result.name, f"{plain_result.tokens_per_s:.1f}", f"invariant is {ratio:.2f}x this"))
+    if not args.no_hf and args.model not in NAMED_CONFIGS:
+        rows += _hf_rows(resolve_model(args.model), dtype, device, prompts, args.max_tokens, ours)
+    print(render(rows))
+    return 0
+
+
+def _hf_rows(model_dir: Path, dtype, device, prompts, max_tokens: int, ours: Result) -> list[tuple[str, str, str]]:
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: skipping the baselines (pip install transformers)")
+        return []
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    rows = []
+    for result in (hf_sequential(hf_model, prompts, max_tokens), hf_batched(hf_model, prompts, max_tokens)):
+        ratio = ours.tokens_per_s / result.tokens_per_s
+        rows.append((result.name, f"{result.tokens_per_s:.1f}", f"pagoda engine is {ratio:.1f}x this"))
+    return rows
