@@ -1,11 +1,10 @@
-"""The race between a request's work and its client leaving (pagoda.api.disconnect), without a server."""
+"""The client watch and the job's end (pagoda.api.disconnect), without a server."""
 
 import asyncio
 
 import pytest
 
-from pagoda.api.disconnect import CLIENT_GONE, run_until_client_leaves, wait_for_disconnect
-from pagoda.plugins.disconnect import AbortOnDisconnect
+from pagoda.api.disconnect import CLIENT_DISCONNECT, ClientGone, ClientWatch, end_job, wait_for_disconnect
 
 
 class Connection:
@@ -29,12 +28,17 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
 def test_other_messages_do_not_look_like_a_disconnect():
     async def main():
+        # A pipelined request on a keep-alive connection arrives as http.request messages.
         conn = Connection({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.request"})
         watcher = asyncio.ensure_future(wait_for_disconnect(conn.receive))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await settle()
         assert not watcher.done() and conn.reads == 3  # both messages read and ignored, waiting for more
         conn.leave()
         await watcher
@@ -42,38 +46,72 @@ def test_other_messages_do_not_look_like_a_disconnect():
     run(main())
 
 
-def test_work_that_finishes_first_returns_its_result_and_stops_the_watcher():
+def test_work_that_finishes_first_wins_and_the_watch_stops():
     async def main():
         conn = Connection({"type": "http.request"})
-
-        async def work():
-            await asyncio.sleep(0)
-            return 42
-
-        assert await run_until_client_leaves(work(), conn.receive, AbortOnDisconnect()) == 42
+        watch = ClientWatch(conn.receive)
+        job = asyncio.ensure_future(asyncio.sleep(0, result=42))
+        await watch.first(job)
+        assert job.result() == 42 and not watch.gone
+        watch.close()
         conn.leave()  # nobody is listening any more
-        await asyncio.sleep(0)
-        assert conn.queue.qsize() == 1
+        await settle()
+        assert conn.queue.qsize() == 1 and not watch.gone
 
     run(main())
 
 
-def test_the_works_exception_is_raised_not_taken_for_a_disconnect():
+def test_the_works_exception_is_not_taken_for_a_disconnect():
     async def main():
         async def refused():
             raise ValueError("prompt is too long")
 
+        watch = ClientWatch(Connection().receive)
+        job = asyncio.ensure_future(refused())
+        await watch.first(job)  # returns: the work decided
         with pytest.raises(ValueError, match="too long"):
-            await run_until_client_leaves(refused(), Connection().receive, AbortOnDisconnect())
+            job.result()
+        watch.close()
 
     run(main())
 
 
-def test_a_client_that_leaves_first_cancels_the_work_and_waits_for_its_cleanup():
+def test_a_client_that_leaves_first_raises_client_gone_and_calls_back():
     async def main():
         conn = Connection()
-        cleaned_up = asyncio.Event()
-        started = asyncio.Event()
+        watch = ClientWatch(conn.receive)
+        called = []
+        watch.on_gone(lambda: called.append(True))
+        job = asyncio.ensure_future(asyncio.sleep(3600))
+        race = asyncio.ensure_future(watch.first(job))
+        await settle()
+        assert not race.done()
+        conn.leave()
+        with pytest.raises(ClientGone) as info:
+            await race
+        assert info.value.reason == CLIENT_DISCONNECT and watch.gone and called == [True]
+        assert not job.done()  # the watch decides nothing about the work: end_job does
+        await end_job(job)
+        assert job.cancelled()
+
+    run(main())
+
+
+def test_a_receive_that_fails_counts_as_gone():
+    async def main():
+        async def broken():
+            raise OSError("connection reset")
+
+        watch = ClientWatch(broken)
+        with pytest.raises(ClientGone):
+            await watch.first(asyncio.ensure_future(asyncio.sleep(3600)))
+
+    run(main())
+
+
+def test_end_job_cancels_a_running_job_and_waits_for_its_cleanup():
+    async def main():
+        started, cleaned_up = asyncio.Event(), asyncio.Event()
 
         async def work():
             started.set()
@@ -83,31 +121,24 @@ def test_a_client_that_leaves_first_cancels_the_work_and_waits_for_its_cleanup()
                 await asyncio.sleep(0)  # cleanup that itself awaits, like an abort being queued
                 cleaned_up.set()
 
-        race = asyncio.ensure_future(run_until_client_leaves(work(), conn.receive, AbortOnDisconnect()))
+        job = asyncio.ensure_future(work())
         await started.wait()
-        conn.leave()
-        assert await race is CLIENT_GONE
-        assert cleaned_up.is_set()  # the policy returned only after the work's finally ran
+        await end_job(job)
+        assert job.cancelled() and cleaned_up.is_set()  # returned only after the job's finally ran
 
     run(main())
 
 
-def test_a_cancelled_handler_takes_the_work_with_it():
+def test_end_job_leaves_a_finished_job_alone():
     async def main():
-        cancelled = asyncio.Event()
+        job = asyncio.ensure_future(asyncio.sleep(0, result="done"))
+        await job
+        await end_job(job)
+        assert job.result() == "done"
 
-        async def work():
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                cancelled.set()
-                raise
-
-        race = asyncio.ensure_future(run_until_client_leaves(work(), Connection().receive, AbortOnDisconnect()))
-        await asyncio.sleep(0)
-        race.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await race
-        await asyncio.wait_for(cancelled.wait(), 5)
+        failed = asyncio.ensure_future(asyncio.sleep(0))
+        failed.cancel()
+        await end_job(failed)  # a job that already ended any way at all is fine
+        assert failed.cancelled()
 
     run(main())

@@ -26,7 +26,7 @@ def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():
     assert [name for name, _ in pm.list_name_plugin()] == list(BUILTIN_PLUGINS)
     assert {e.path for e in collect_endpoints(pm)} == BUILTIN_PATHS
     policies = collect_disconnect_policies(pm)
-    assert list(policies) == ["abort"] and isinstance(policies["abort"], AbortOnDisconnect)
+    assert sorted(policies) == ["abort", "finish"] and isinstance(policies["abort"], AbortOnDisconnect)
     infos = {i.name: i for i in describe_plugins(pm)}
     assert infos["pagoda.plugins.openai_chat"].origin == "built-in"
     assert infos["pagoda.plugins.openai_chat"].hooks == ("pagoda_register_protocols",)
@@ -83,7 +83,7 @@ def test_a_plugin_registered_in_code_joins_the_same_registry():
     pm.register(InlinePlugin(), name="inline")
     try:
         assert "/echo" in {e.path for e in collect_endpoints(pm)}
-        assert set(collect_disconnect_policies(pm)) == {"abort", "quiet"}
+        assert set(collect_disconnect_policies(pm)) == {"abort", "finish", "quiet"}
         info = {i.name: i for i in describe_plugins(pm)}["inline"]
         assert info.origin == "registered in code"
         assert info.hooks == ("pagoda_register_disconnect_policies", "pagoda_register_protocols")

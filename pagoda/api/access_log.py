@@ -2,8 +2,9 @@
 
 An ASGI middleware: it sees the status the response starts with, and the
 handler fills in an `AccessRecord` it finds in the scope (token counts, and
-whether the client left). A request whose client left is logged with 499,
-also when a stream had already sent its 200.
+why the client left, if it did). A request whose client left is logged with
+499 and the reason (client_disconnect, send_stall), also when a stream had
+already sent its 200.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagoda.api.metrics import AccessRecord
 
 logger = logging.getLogger("pagoda.access")
 RECORD_KEY = "pagoda.access"  # scope key of the request's AccessRecord
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; only the access log ever sees it
 
 
 def access_record(scope: Scope | dict[str, Any]) -> AccessRecord:
@@ -47,15 +49,17 @@ def access_log_middleware(app: ASGIApp) -> ASGIApp:
         try:
             await app(scope, receive, send_status)
         finally:
-            logged = 499 if record.client_gone else status
+            logged = CLIENT_CLOSED_REQUEST if record.client_gone else status
             duration_ms = (time.monotonic() - start) * 1000
             client = scope.get("client")
             logger.info(
-                '%s "%s %s" %d %.1fms prompt_tokens=%d completion_tokens=%d',
+                '%s "%s %s" %d %.1fms prompt_tokens=%d completion_tokens=%d%s',
                 f"{client[0]}:{client[1]}" if client else "-", scope["method"], scope["path"], logged, duration_ms,
                 record.prompt_tokens, record.completion_tokens,
+                f" reason={record.client_gone}" if record.client_gone else "",
                 extra={"method": scope["method"], "path": scope["path"], "status": logged, "duration_ms": duration_ms,
-                       "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens},
+                       "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                       "reason": record.client_gone},
             )
 
     return middleware

@@ -38,7 +38,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     context = ServeContext(tokenizer=tokenizer, model_name=settings.served_model_name,
                            max_model_len=config.max_model_len, max_kv_tokens=config.num_slots)
     services = Services(engine=async_engine, context=context, metrics=Metrics(),
-                        policy=policies[settings.disconnect_policy])
+                        policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout)
     guards = [api_key_guard(settings.api_key)] if settings.api_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
     routes += health_routes(services, settings.health_timeout, guards)

@@ -1,19 +1,29 @@
-"""The one handler every protocol endpoint runs through.
+"""The one handler every protocol endpoint runs through, and the life of its engine request.
 
-    body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
-      -> endpoint.prepare -> engine.generate -> metrics.observe
-      -> unary:  the whole generation raced against the client leaving -> endpoint.render
-      -> stream: admission and the first output raced the same way, then a Stream of
-                 endpoint.render_stream's events, encoded as SSE or NDJSON
+    handler   body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
+              -> endpoint.prepare -> a GenerationResponse; nothing has reached the engine yet
+    exchange  (the response's ASGI call) the job, a task consuming engine.generate's outputs
+              through metrics.observe, raced against the client leaving:
+      unary   the whole generation -> endpoint.render -> one JSON write
+      stream  admission -> 200, a keep-alive comment -> endpoint.render_stream's events as they come
 
-The engine request is aborted by `AsyncEngine.generate` itself whenever its
-iterator ends before the request finished; every path here only has to stop
-iterating (cancellation, close, exception), and every iterator is closed
-explicitly rather than left to the garbage collector.
+The request's whole life is one ASGI call, `Exchange.__call__`, so its end is
+one `finally`: the job is cancelled there unless it finished, and cancelling
+the job aborts the engine request. Every exit goes through it: a return, an
+exception, the handler's own cancellation, a failed or stalled write. A
+client found gone anywhere (`ClientGone`: a disconnect seen by the watch, a
+write that raised or stalled) is handled in one `except`: the departure is
+counted, the disconnect policy decides how long the job may go on, and a
+response not yet started is answered 499 for the access log.
+
+A stream's status line waits for admission (not for the first token), so a
+request the engine refuses is still a 400 on every path, while a long prefill
+already has its headers and a comment on the wire.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -21,26 +31,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from litestar import Request, Response, post
 from litestar.handlers import HTTPRouteHandler
 from litestar.params import JSONBody
-from litestar.response import Stream
-from litestar.types import Guard
+from litestar.types import ASGIApp, Guard, Receive, Scope, Send
 
-from pagoda.api.access_log import access_record
-from pagoda.api.disconnect import CLIENT_GONE, run_until_client_leaves
+from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
+from pagoda.api.disconnect import SEND_STALL, ClientGone, ClientWatch, end_job
 from pagoda.api.errors import ENDPOINT_OPT, api_error, error_response
-from pagoda.api.metrics import AccessRecord, Metrics
+from pagoda.api.metrics import Metrics
+from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.engine import RequestOutput
 from pagoda.plugins.disconnect import DisconnectPolicy
-from pagoda.plugins.protocol import Call, Completion, Endpoint, Event, ServeContext
+from pagoda.plugins.protocol import Call, Completion, Endpoint, ServeContext
 
 logger = logging.getLogger("pagoda.api")
-
-MEDIA_TYPES = {"sse": "text/event-stream", "ndjson": "application/x-ndjson"}
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; only the access log ever sees it
 
 
 @dataclass(frozen=True)
@@ -51,13 +57,14 @@ class Services:
     context: ServeContext
     metrics: Metrics
     policy: DisconnectPolicy
+    send_stall_timeout: float = 2.0  # --send-stall-timeout (the policy may change it)
 
 
 def endpoint_route(endpoint: Endpoint, services: Services, guards: list[Guard]) -> HTTPRouteHandler:
     """A Litestar POST handler for one protocol endpoint."""
 
     async def handler(request: Request, data: Any) -> Response[Any]:
-        return await serve(endpoint, services, request, data)
+        return serve(endpoint, services, request, data)
 
     # Litestar reads the body type from the annotations: each endpoint's own Struct.
     handler.__annotations__ = {"request": Request, "data": JSONBody[endpoint.body_type], "return": Response[Any]}
@@ -66,89 +73,143 @@ def endpoint_route(endpoint: Endpoint, services: Services, guards: list[Guard]) 
     return route(handler)
 
 
-async def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -> Response[Any]:
-    """Answer one protocol request; every failure becomes the protocol's error body."""
-    record = access_record(request.scope)
+def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -> Response[Any]:
+    """The response to one protocol request; a body the protocol refuses is answered at once."""
     try:
         generation = endpoint.prepare(body, services.context)
-        call = Call(id=endpoint.new_id(), created=int(time.time()), model=services.context.model_name, body=body,
-                    generation=generation, tokenizer=services.context.tokenizer)
-        outputs = services.metrics.observe(
-            services.engine.generate(generation.prompt_token_ids, generation.sampling_params, call.id), record
-        )
-        if generation.stream:
-            return await _stream(endpoint, call, outputs, request, services.policy, record)
-        return await _unary(endpoint, call, outputs, request, services.policy)
     except Exception as exc:
         return error_response(endpoint, api_error(exc), request)
+    call = Call(id=endpoint.new_id(), created=int(time.time()), model=services.context.model_name, body=body,
+                generation=generation, tokenizer=services.context.tokenizer)
+    return GenerationResponse(Exchange(endpoint, services, call, request))
 
 
-async def _unary(endpoint: Endpoint, call: Call, outputs: AsyncIterator[RequestOutput], request: Request,
-                 policy: DisconnectPolicy) -> Response[Any]:
-    result = await run_until_client_leaves(_collect(outputs), request.receive, policy)
-    if result is CLIENT_GONE:
-        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
-    return Response(endpoint.render(call, result), status_code=200)
+class GenerationResponse(Response[Any]):
+    """A Litestar Response whose ASGI side is an Exchange: Litestar only hands it the connection."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__(content=None)
+        self.exchange = exchange
+
+    def to_asgi_response(self, app: Any, request: Request, **_: Any) -> ASGIApp:
+        return self.exchange
+
+
+class Exchange:
+    """One generation request, from admission to its last write: an ASGI app called once."""
+
+    def __init__(self, endpoint: Endpoint, services: Services, call: Call, request: Request) -> None:
+        self.endpoint = endpoint
+        self.services = services
+        self.call = call
+        self.request = request
+        self.record = access_record(request.scope)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        policy = self.services.policy
+        writer = ResponseWriter(send, policy.send_stall_timeout(self.services.send_stall_timeout))
+        watch = ClientWatch(receive)  # Litestar has read the body: the watch may have `receive` now
+        admitted = asyncio.Event()
+        job, mailbox = self._start_job(watch, admitted)
+        try:
+            await self._respond(job, admitted, mailbox, watch, writer)
+        except ClientGone as gone:
+            await self._client_gone(job, gone.reason, writer)
+        finally:
+            watch.close()
+            await end_job(job)  # the one place: whatever still runs here is cancelled, its request aborted
+
+    def _start_job(self, watch: ClientWatch,
+                   admitted: asyncio.Event) -> tuple[asyncio.Future[Any], asyncio.Queue[Any]]:
+        """The task consuming the engine's outputs (and, for a stream, the mailbox it fills)."""
+        generation = self.call.generation
+        outputs = self.services.metrics.observe(
+            self.services.engine.generate(generation.prompt_token_ids, generation.sampling_params, self.call.id,
+                                          on_admitted=admitted.set), self.record)
+        mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
+        if not generation.stream:
+            return asyncio.ensure_future(_collect(outputs)), mailbox
+        job = asyncio.ensure_future(self._pump(outputs, admitted, mailbox))
+        job.add_done_callback(lambda _: mailbox.put_nowait(END))
+        watch.on_gone(lambda: mailbox.put_nowait(GONE))
+        return job, mailbox
+
+    async def _respond(self, job: asyncio.Future[Any], admitted: asyncio.Event, mailbox: asyncio.Queue[Any],
+                       watch: ClientWatch, writer: ResponseWriter) -> None:
+        """Write the response; a refusal (or a failure before anything was written) gets its error status."""
+        try:
+            if self.call.generation.stream:
+                await self._stream(job, admitted, mailbox, watch, writer)
+            else:
+                await self._unary(job, watch, writer)
+        except ClientGone:
+            raise
+        except Exception as exc:
+            if writer.started:
+                raise
+            await self._answer(error_response(self.endpoint, api_error(exc), self.request), writer)
+
+    async def _unary(self, job: asyncio.Future[Completion], watch: ClientWatch, writer: ResponseWriter) -> None:
+        await watch.first(job)
+        body = self.endpoint.render(self.call, job.result())  # the job's exception (a refusal) is raised here
+        await self._answer(Response(body, status_code=200), writer)
+
+    async def _stream(self, job: asyncio.Future[None], admitted: asyncio.Event, mailbox: asyncio.Queue[Any],
+                      watch: ClientWatch, writer: ResponseWriter) -> None:
+        admission = asyncio.ensure_future(admitted.wait())
+        try:
+            await watch.first(job, admission)
+        finally:
+            admission.cancel()
+        if not admitted.is_set():
+            job.result()  # the engine refused the request (or could not be asked): answered with its status
+            raise RuntimeError("the stream's job ended before its request was admitted")
+        await writer.stream(self.endpoint.stream_format, mailbox)
+
+    async def _pump(self, outputs: AsyncIterator[RequestOutput], admitted: asyncio.Event,
+                    mailbox: asyncio.Queue[Any]) -> None:
+        """A stream's job: render the outputs as encoded events into the mailbox, in order."""
+        encode = ENCODERS[self.endpoint.stream_format]
+        events = self.endpoint.render_stream(self.call, outputs)
+        try:
+            async with contextlib.aclosing(outputs):
+                try:
+                    async for event in events:
+                        mailbox.put_nowait(encode(event))
+                except Exception:
+                    if admitted.is_set():  # named before the outputs are closed, so the abort is counted as such
+                        self.record.abort_reason = self.record.abort_reason or "error"
+                    raise
+                finally:
+                    await events.aclose()  # a renderer that stopped early does not leave the request running
+        except Exception as exc:
+            if not admitted.is_set():
+                raise  # a refusal: the status line has not gone out, so it is answered with a status
+            for event in self.endpoint.render_stream_error(self.call, api_error(exc)):
+                mailbox.put_nowait(encode(event))
+
+    async def _answer(self, response: Response[Any], writer: ResponseWriter) -> None:
+        """Send a whole Litestar response through the writer (its stall deadline applies)."""
+        asgi = response.to_asgi_response(None, self.request)
+        await asgi(self.request.scope, self.request.receive, writer.send)  # type: ignore[arg-type]
+
+    async def _client_gone(self, job: asyncio.Future[Any], reason: str, writer: ResponseWriter) -> None:
+        """Count the departure, let the policy decide how long the job may go on, and say 499."""
+        self.services.metrics.client_left(self.record, reason)
+        if reason == SEND_STALL:
+            logger.warning("request %s: the client read nothing for %.1f s; closing its connection",
+                           self.call.id, writer.stall_timeout)
+        try:
+            await self.services.policy.client_gone(job, reason)
+        except Exception:
+            logger.exception("disconnect policy %r failed", self.services.policy.name)
+        if not writer.started and reason != SEND_STALL:  # only the access log hears it; it must not claim success
+            with contextlib.suppress(ClientGone):
+                await writer.start(CLIENT_CLOSED_REQUEST, [(b"content-length", b"0")])
+                await writer.body(b"", more=False)
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
+    """A unary request's job: the whole generation."""
     async with contextlib.aclosing(outputs):
         return Completion.from_outputs([out async for out in outputs])
-
-
-async def _stream(endpoint: Endpoint, call: Call, outputs: AsyncIterator[RequestOutput], request: Request,
-                  policy: DisconnectPolicy, record: AccessRecord) -> Response[Any]:
-    # Nothing is written before the first output, so admission errors are still answered with a
-    # status, and a client that leaves during a long prefill is caught by the watcher.
-    first = await run_until_client_leaves(_first(outputs), request.receive, policy)
-    if first is CLIENT_GONE:
-        return Response(b"", status_code=CLIENT_CLOSED_REQUEST)
-    body = _stream_body(endpoint, call, _prepend(first, outputs), record)
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return Stream(body, media_type=MEDIA_TYPES[endpoint.stream_format], headers=headers)
-
-
-async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    try:
-        return await outputs.__anext__()
-    except BaseException:
-        await outputs.aclose()
-        raise
-
-
-async def _prepend(first: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    async with contextlib.aclosing(outputs):
-        yield first
-        async for out in outputs:
-            yield out
-
-
-async def _stream_body(endpoint: Endpoint, call: Call, outputs: AsyncIterator[RequestOutput],
-                       record: AccessRecord) -> AsyncIterator[bytes]:
-    """The encoded events; a failure after the 200 went out becomes the protocol's in-stream error."""
-    encode = encode_sse if endpoint.stream_format == "sse" else encode_ndjson
-    events = endpoint.render_stream(call, outputs)
-    try:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield encode(event)
-    except Exception as exc:
-        record.abort_reason = record.abort_reason or "error"
-        await outputs.aclose()  # before the error goes out, so the abort is already queued
-        for event in endpoint.render_stream_error(call, api_error(exc)):
-            yield encode(event)
-    finally:
-        await outputs.aclose()  # a renderer that stopped early does not leave the request running
-
-
-def encode_sse(event: Event) -> bytes:
-    """One server-sent event: an optional `event:` line, one `data:` line, a blank line."""
-    data = event.data if isinstance(event.data, str) else msgspec.json.encode(event.data).decode()
-    head = f"event: {event.name}\n" if event.name else ""
-    return f"{head}data: {data}\n\n".encode()
-
-
-def encode_ndjson(event: Event) -> bytes:
-    """One line of newline-delimited JSON."""
-    data = event.data.encode() if isinstance(event.data, str) else msgspec.json.encode(event.data)
-    return data + b"\n"

@@ -80,7 +80,7 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     async_engine = AsyncEngine(engine)
     settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key)
     app = create_app(async_engine, tokenizer, load_plugins(environ or {}), settings)
-    server = BackgroundServer(app).start()
+    server = BackgroundServer(app, send_buffer=settings.send_buffer_size).start()
     return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key)
 
 

@@ -30,14 +30,14 @@ class AccessRecord:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    # Why the request ended early, if it did. The consumer of `Metrics.observe` sets it before
-    # closing the outputs for a reason of its own (e.g. "error"); a cancelled or closed request
-    # is otherwise "client_disconnect", which is logged as 499 even after a stream's 200 went out.
+    # Why the client counts as gone, if it left before its response was complete: "client_disconnect"
+    # (the connection closed or a write failed) or "send_stall" (it stopped reading). Such a request
+    # is logged as 499, also when a stream had already sent its 200.
+    client_gone: str | None = None
+    # Why the engine request ended early, if it did. The consumer of `Metrics.observe` sets it before
+    # closing the outputs for a reason of its own (e.g. "error"); a request cancelled after its client
+    # left gets the client's reason, one cancelled for no recorded reason (shutdown) "cancelled".
     abort_reason: str | None = None
-
-    @property
-    def client_gone(self) -> bool:
-        return self.abort_reason == "client_disconnect"
 
 
 class EngineCollector(Collector):
@@ -88,6 +88,8 @@ class Metrics:
                                 ["reason"], registry=r)
         self.aborted = Counter("pagoda_requests_aborted", "Requests that ended early, by reason.", ["reason"],
                                registry=r)
+        self.departures = Counter("pagoda_client_departures", "Clients that left before their response was complete,"
+                                  " by reason (whatever the disconnect policy then did).", ["reason"], registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
 
@@ -120,7 +122,7 @@ class Metrics:
                     yield out
             except (asyncio.CancelledError, GeneratorExit):
                 if not finished:
-                    self._aborted(record, record.abort_reason or "client_disconnect")
+                    self._aborted(record, record.abort_reason or record.client_gone or "cancelled")
                 raise
             except (RequestAborted, EngineDeadError):
                 self._aborted(record, "server")
@@ -129,6 +131,12 @@ class Metrics:
                 self._aborted(record, "model_error")
                 raise
             # Anything else came from admission: a refused request is not an aborted one.
+
+    def client_left(self, record: AccessRecord, reason: str) -> None:
+        """Note that the request's client is gone (before its engine request is cancelled, if it is)."""
+        if record.client_gone is None:
+            record.client_gone = reason
+            self.departures.labels(reason=reason).inc()
 
     def _aborted(self, record: AccessRecord, reason: str) -> None:
         record.abort_reason = reason

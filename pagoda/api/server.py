@@ -30,11 +30,18 @@ class _Server(uvicorn.Server):
             self._on_ready()
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; port 0 lets the kernel choose."""
+def bind_socket(host: str, port: int, send_buffer: int | None = None) -> socket.socket:
+    """A bound (not yet listening) TCP socket; port 0 lets the kernel choose.
+
+    `send_buffer` (bytes) fixes SO_SNDBUF, which accepted connections inherit: it bounds how much
+    unread output a client can leave in our socket before the send-stall deadline starts counting
+    (None keeps the kernel's autotuning, up to megabytes).
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     try:
         sock.bind((host, port))
     except OSError:
@@ -56,9 +63,10 @@ def _config(app: Any, **overrides: Any) -> uvicorn.Config:
     return uvicorn.Config(app, **options)
 
 
-def run_server(app: Any, host: str, port: int, on_ready: Callable[[str], None], **uvicorn_options: Any) -> None:
+def run_server(app: Any, host: str, port: int, on_ready: Callable[[str], None], send_buffer: int | None = None,
+               **uvicorn_options: Any) -> None:
     """Serve `app` in the foreground until interrupted; `on_ready(url)` once it accepts requests."""
-    sock = bind_socket(host, port)
+    sock = bind_socket(host, port, send_buffer)
     url = url_of(sock)
     server = _Server(_config(app, **uvicorn_options), lambda: on_ready(url))
     try:
@@ -70,9 +78,11 @@ def run_server(app: Any, host: str, port: int, on_ready: Callable[[str], None], 
 class BackgroundServer:
     """uvicorn serving `app` on its own thread and event loop, on 127.0.0.1 and a port the kernel picks."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", **uvicorn_options: Any) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", send_buffer: int | None = None,
+                 **uvicorn_options: Any) -> None:
         self.app = app
         self.host = host
+        self.send_buffer = send_buffer
         self.uvicorn_options = {"log_level": "warning", "timeout_graceful_shutdown": 2, **uvicorn_options}
         self.url = ""
         self._server: _Server | None = None
@@ -82,7 +92,7 @@ class BackgroundServer:
 
     def start(self, timeout: float = 120.0) -> BackgroundServer:
         """Start serving and return once the app's start-up has run (raises if it failed)."""
-        sock = bind_socket(self.host, 0)
+        sock = bind_socket(self.host, 0, self.send_buffer)
         self.url = url_of(sock)
         self._server = _Server(_config(self.app, **self.uvicorn_options), self._ready.set)
         self._thread = threading.Thread(target=self._serve, args=(sock,), name=f"pagoda-server {self.url}", daemon=True)

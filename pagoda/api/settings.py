@@ -11,6 +11,7 @@ class ServeSettings:
     api_key: str | None = None  # None = no key needed
     disconnect_policy: str = "abort"  # a registered DisconnectPolicy's name
     send_stall_timeout: float = 2.0  # seconds a stream may make no write progress before its client counts as gone
+    send_buffer_size: int | None = None  # bytes of SO_SNDBUF per connection; None = the kernel's autotuning
     health_timeout: float = 10.0  # seconds /health waits for the engine loop before answering 503
 
     def __post_init__(self) -> None:
@@ -22,5 +23,8 @@ class ServeSettings:
             raise ValueError("disconnect_policy must be a non-empty string")
         if not self.send_stall_timeout > 0:
             raise ValueError(f"send_stall_timeout must be > 0 seconds, got {self.send_stall_timeout}")
+        if self.send_buffer_size is not None and (not isinstance(self.send_buffer_size, int)
+                                                  or self.send_buffer_size < 1):
+            raise ValueError(f"send_buffer_size must be a positive number of bytes, got {self.send_buffer_size}")
         if not self.health_timeout > 0:
             raise ValueError(f"health_timeout must be > 0 seconds, got {self.health_timeout}")

@@ -115,11 +115,13 @@ class AsyncEngine:
 
     # -- requests ------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+        *, on_admitted: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine makes them; the last one is finished.
 
-        Admission errors (AdmissionError, ValueError) are raised before the first output.
+        Admission errors (AdmissionError, ValueError) are raised before the first output;
+        `on_admitted` is called once the engine has accepted the request (before its prefill).
         A failed model step raises GenerationError; a server-side abort raises RequestAborted.
         """
         request_id = request_id or uuid.uuid4().hex
@@ -129,6 +131,8 @@ class AsyncEngine:
         finished = False
         try:
             await asyncio.wrap_future(admitted)
+            if on_admitted is not None:
+                on_admitted()
             while not finished:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):

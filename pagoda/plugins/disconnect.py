@@ -1,14 +1,16 @@
 """What happens to a request whose client went away, and the built-in answer: abort it.
 
-The server finds out that a client is gone in one place (pagoda.api.disconnect:
-a watcher on the connection's `receive` raced against the generation) and then
-hands the still-running generation job to the configured policy. The default,
-"abort", cancels the job; the cancellation lands in `AsyncEngine.generate`'s
-`finally`, which aborts the engine request, and the policy waits for that to
-happen so the request's blocks are on their way back when it returns.
+The server finds out that a client is gone (pagoda.api.disconnect: the
+connection closed, a write failed, or a stream made no write progress for the
+stall deadline) and hands the request's still-running job to the policy that
+`pagoda serve --disconnect-policy NAME` chose. The job is the asyncio task
+that consumes the request's engine outputs; cancelling it aborts the engine
+request (in `AsyncEngine.generate`'s `finally`).
 
-A stream needs no watcher: its body iterator is the job, and the HTTP layer
-cancels it when the client disconnects.
+A policy can only choose *when* the work ends, never to leave it running:
+whatever the job is still doing when `client_gone` returns is cancelled by the
+server. "abort" (the default) cancels at once; "finish"
+(pagoda.plugins.disconnect_finish) waits for the generation to complete.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ class DisconnectPolicy:
 
     name: ClassVar[str]
 
-    async def client_gone(self, job: asyncio.Future[Any]) -> None:
-        """Called once when the client left while `job` (the request's generation) still runs."""
-        raise NotImplementedError
+    def send_stall_timeout(self, configured: float) -> float | None:
+        """Seconds a write may make no progress before the client counts as gone (None: no deadline).
+
+        `configured` is the server's --send-stall-timeout; the default keeps it.
+        """
+        return configured
+
+    async def client_gone(self, job: asyncio.Future[Any], reason: str) -> None:
+        """Called once when the client left ("client_disconnect" or "send_stall") while `job` may still run.
+
+        When this returns, the server cancels what is left of the job; the default returns at once.
+        """
 
 
 class AbortOnDisconnect(DisconnectPolicy):
@@ -34,7 +45,7 @@ class AbortOnDisconnect(DisconnectPolicy):
 
     name = "abort"
 
-    async def client_gone(self, job: asyncio.Future[Any]) -> None:
+    async def client_gone(self, job: asyncio.Future[Any], reason: str) -> None:
         job.cancel()
         # The abort runs inside the job when the cancellation is delivered; wait for it, and
         # swallow the job's own outcome (there is nobody to tell).

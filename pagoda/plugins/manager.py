@@ -37,6 +37,7 @@ BUILTIN_PLUGINS = (
     "pagoda.plugins.openai_responses",
     "pagoda.plugins.anthropic_messages",
     "pagoda.plugins.disconnect",
+    "pagoda.plugins.disconnect_finish",
 )
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"

@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disconnect-policy", default="abort", help="what to do with a request whose client left")
     p.add_argument("--send-stall-timeout", type=float, default=2.0,
                    help="seconds a stream may make no write progress before its client counts as gone")
+    p.add_argument("--send-buffer-size", type=int, default=None, metavar="BYTES",
+                   help="each connection's socket send buffer (default: the kernel's autotuning); bounds how much "
+                        "unread output a client that stopped reading holds before the stall deadline counts")
     p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: the model's)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
@@ -48,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         engine, tokenizer, model_dir = build_engine(options)
         name = args.served_model_name or (args.model if args.model == "default" else model_dir.name)
         settings = ServeSettings(served_model_name=name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                                 disconnect_policy=args.disconnect_policy, send_stall_timeout=args.send_stall_timeout)
+                                 disconnect_policy=args.disconnect_policy, send_stall_timeout=args.send_stall_timeout,
+                                 send_buffer_size=args.send_buffer_size)
         app = create_app(AsyncEngine(engine), tokenizer, plugins, settings)
     except (ValueError, FileNotFoundError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
@@ -57,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"pagoda serving {name!r} at {url}", flush=True)
 
-    run_server(app, args.host, args.port, ready, log_level=args.log_level)
+    run_server(app, args.host, args.port, ready, send_buffer=settings.send_buffer_size, log_level=args.log_level)
     return 0

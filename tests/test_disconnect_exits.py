@@ -1,0 +1,231 @@
+"""Every way out of a generation request ends its engine request, counted in engine steps.
+
+The app is called as an ASGI callable with a scripted connection, because
+some exits cannot be produced over a uvicorn socket: a send that raises
+OSError (the ASGI spec's closed connection; uvicorn returns silently
+instead), a send that raises something else (a bug), the handler cancelled
+(shutdown). The real-socket versions of the others are in
+test_disconnect_paths.py and test_disconnect_phases.py.
+
+Each step of the fake model waits for a permit, so a test knows exactly how
+many tokens were made before the exit (k) and can require the abort to land
+at the next step: at most k + 1 tokens in all.
+"""
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from pagoda.api.app import create_app
+from pagoda.api.settings import ServeSettings
+from pagoda.core.async_engine import AsyncEngine
+from pagoda.core.request import FinishReason
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.plugins import hookimpl
+from pagoda.plugins.manager import load_plugins
+from pagoda.plugins.protocol import ApiError, Endpoint, Event, Generation
+from tests.core_helpers import fake_engine
+
+K = 3  # steps allowed before the exit
+
+
+class Count(Endpoint):
+    """A protocol with one event per generated token, whatever its text."""
+
+    name = "count"
+    path = "/count"
+    body_type = dict
+
+    def prepare(self, body, ctx):
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
+        return Generation(body["prompt"], params, stream=body["stream"])
+
+    def render(self, call, completion):
+        return {"tokens": completion.num_output_tokens}
+
+    async def render_stream(self, call, outputs):
+        async for out in outputs:
+            yield Event({"n": out.num_output_tokens})
+            if out.num_output_tokens == call.body.get("stop_after"):
+                return  # a renderer that stops early, leaving the outputs unconsumed
+
+    def render_error(self, error: ApiError):
+        return {"error": error.message}
+
+
+class CountPlugin:
+    @hookimpl
+    def pagoda_register_protocols(self, register):
+        register(Count())
+
+
+class GatedRunner:
+    """Each step waits for a permit from the test."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.allowed = threading.Semaphore(0)
+
+    def execute(self, batch):
+        assert self.allowed.acquire(timeout=30), "the test never allowed this step"
+        return self.runner.execute(batch)
+
+    def open(self):
+        for _ in range(10_000):
+            self.allowed.release()
+
+
+class Connection:
+    """A scripted ASGI connection: the body, then a disconnect when told; sends can fail or hang."""
+
+    def __init__(self, body, fail_with=None, hang=False):
+        self.incoming = asyncio.Queue()
+        self.incoming.put_nowait({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
+        self.messages = []
+        self.fail_with = fail_with  # raised by the first body send after `arm()`
+        self.hang = hang  # the first body send after `arm()` never completes
+        self.armed = False
+
+    async def receive(self):
+        return await self.incoming.get()
+
+    async def send(self, message):
+        if self.armed and message["type"] == "http.response.body":
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.fail_with is not None:
+                raise self.fail_with
+        self.messages.append(message)
+
+    def arm(self):
+        self.armed = True
+
+    def leave(self):
+        self.incoming.put_nowait({"type": "http.disconnect"})
+
+    @property
+    def status(self):
+        return next((m["status"] for m in self.messages if m["type"] == "http.response.start"), None)
+
+    def events(self):
+        return sum(m.get("body", b"").count(b"data: ") for m in self.messages if m["type"] == "http.response.body")
+
+
+@pytest.fixture
+def server():
+    engine = fake_engine(num_blocks=64, block_size=4, max_model_len=256)
+    runner = GatedRunner(engine.runner)
+    engine.runner = runner
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    pm = load_plugins({"PAGODA_PLUGINS": "none"})
+    pm.register(CountPlugin(), name="count")
+    app = create_app(async_engine, None, pm, ServeSettings(send_stall_timeout=0.2))
+    yield app, async_engine, runner
+    runner.open()
+    async_engine.stop()
+
+
+def scope():
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/count", "raw_path": b"/count", "root_path": "",
+            "query_string": b"", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80), "state": {}}
+
+
+async def the_request(engine):
+    while not engine.requests:
+        await asyncio.sleep(0.001)
+    (request,) = engine.requests.values()
+    return request
+
+
+async def make_k_tokens(async_engine, runner, request, conn, stream):
+    for _ in range(K):
+        runner.allowed.release()
+    while request.num_output_tokens < K or (stream and conn.events() < K):
+        await asyncio.sleep(0.001)
+
+
+def run_exit(server, stream, exit_, conn_options=None, **body):
+    """Start a request for 200 tokens, let K steps run, take `exit_`, then let the engine run freely."""
+    app, async_engine, runner = server
+
+    async def main():
+        conn = Connection({"prompt": [1, 2, 3], "max_tokens": 200, "stream": stream, **body}, **(conn_options or {}))
+        call = asyncio.ensure_future(app(scope(), conn.receive, conn.send))
+        request = await the_request(async_engine.engine)
+        await make_k_tokens(async_engine, runner, request, conn, stream)
+        made = await exit_(call, conn, runner) or K  # tokens made before the exit
+        runner.open()
+        await async_engine.wait_until_idle()
+        await async_engine.audit()
+        stats = await async_engine.stats()
+        return request, conn, made, stats
+
+    request, conn, made, stats = asyncio.run(asyncio.wait_for(main(), 60))
+    assert request.finish_reason is FinishReason.ABORT
+    assert made <= request.num_output_tokens <= made + 1  # the abort landed at the next step
+    assert stats["aborted_total"] == 1 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return conn
+
+
+async def client_leaves(call, conn, runner):
+    conn.leave()
+    await call
+
+
+async def next_write_fails(call, conn, runner, expect=None):
+    """Arm the connection and allow one more step: its event is the write that fails."""
+    conn.arm()
+    runner.allowed.release()
+    if expect is None:
+        await call
+    else:
+        with pytest.raises(expect):
+            await call
+    return K + 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_client_that_leaves(server, stream):
+    conn = run_exit(server, stream, client_leaves)
+    assert conn.status == (200 if stream else 499)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_handler_cancelled(server, stream):
+    async def cancel(call, conn, runner):
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    run_exit(server, stream, cancel)
+
+
+def test_a_write_that_raises_oserror(server):
+    conn = run_exit(server, True, next_write_fails, {"fail_with": BrokenPipeError()})
+    assert conn.status == 200 and conn.messages[-1]["more_body"]  # never completed
+
+
+def test_a_write_that_raises_something_else(server):
+    async def bug(call, conn, runner):  # it propagates, and the request still ends
+        return await next_write_fails(call, conn, runner, expect=Exception)
+
+    run_exit(server, True, bug, {"fail_with": RuntimeError("unexpected ASGI message")})
+
+
+def test_a_write_that_stalls(server):
+    conn = run_exit(server, True, next_write_fails, {"hang": True})  # returns after the 0.2 s deadline
+    assert conn.messages[-1]["more_body"]  # never completed: uvicorn closes such a connection
+
+
+def test_a_renderer_that_stops_early(server):
+    async def response_ends(call, conn, runner):
+        await call
+
+    conn = run_exit(server, True, response_ends, stop_after=K)
+    assert conn.status == 200 and not conn.messages[-1]["more_body"]  # a complete response, and no work left
