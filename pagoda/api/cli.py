@@ -14,13 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="An LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"pagoda.api.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"pagoda.api.commands.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"pagoda.api.commands.{name}").register(sub)
     return parser
 
 

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # the answer before the timing line on stderr
     _report(num_tokens, len(prompt_ids), start, first_token_at or end, end)
     return 0
 
