@@ -11,6 +11,7 @@ from pagoda.core.engine import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
+    join_text_parts,
     ApiError,
     Call,
     Completion,
@@ -51,14 +52,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
 
 
 def blocks_text(content: str | list[TextBlock] | None, field: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
-            raise RequestError(f"{field}.{j}: only text blocks are supported, got type {block.type!r}", f"{field}.{j}")
-        texts.append(block.text)
-    return "\n".join(texts)
+    return join_text_parts(content, field, index=".{}")
 
 
 def conversation(body: MessagesRequest) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ from pagoda.core.engine import RequestOutput
 from pagoda.plugins import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
+    join_text_parts,
     ApiError,
     Call,
     Completion,
@@ -54,14 +55,7 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
 
 
 def message_text(content: str | list[ContentPart] | None, field: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise RequestError(f"{field}[{j}]: only text content is supported, got type {part.type!r}", f"{field}[{j}]")
-        texts.append(part.text)
-    return "\n".join(texts)
+    return join_text_parts(content, field)
 
 
 class ChatCompletions(Endpoint):

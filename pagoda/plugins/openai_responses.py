@@ -21,6 +21,7 @@ from pagoda.core.request import FinishReason
 from pagoda.plugins import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
+    join_text_parts,
     ApiError,
     Call,
     Completion,
@@ -81,14 +82,7 @@ def conversation(body: ResponsesRequest) -> list[dict[str, str]]:
 
 
 def _item_text(content: str | list[InputContent] | None, field: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise RequestError(f"{field}[{j}]: only text content is supported, got type {part.type!r}", f"{field}[{j}]")
-        texts.append(part.text)
-    return "\n".join(texts)
+    return join_text_parts(content, field, ("input_text", "output_text", "text"))
 
 
 class Responses(Endpoint):

@@ -49,6 +49,19 @@ class ApiError:
     code: str | None = None
 
 
+def join_text_parts(content: Any, field: str, text_types: Sequence[str] = ("text",), index: str = "[{}]") -> str:
+    """A message's text: a string, or a list of parts (`.type`, `.text`) that must all be text; names a bad part."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        where = field + index.format(j)
+        if part.type not in text_types or part.text is None:
+            raise RequestError(f"{where}: only text content is supported, got type {part.type!r}", where)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
 def make_sampling_params(renames: Mapping[str, str] | None = None, **fields: Any) -> SamplingParams:
     """SamplingParams(**fields); a ValueError becomes a RequestError naming the protocol's field."""
     try:
