@@ -9,6 +9,7 @@ from pagoda.core.model.config import named_config
 from pagoda.core.model.llama import (
     MKL_PADDED,
     ONEDNN,
+    ONEDNN_PACKED,
     PLAIN,
     StepContext,
     apply_rope,
@@ -113,7 +114,8 @@ def test_llama3_scaling_slows_only_long_wavelengths():
 # -- batch invariance, op by op ------------------------------------------------
 SIZES = list(range(1, 65)) + [100, 257, 1024]
 SAMPLE_SIZES = list(range(1, 18)) + [33, 64]  # rows reaching the LM head: one per sampling sequence
-CPU_KERNELS = [k for k in (ONEDNN, MKL_PADDED) if k is not ONEDNN or select_matmul("cpu") is ONEDNN]
+HAS_ONEDNN = select_matmul("cpu") in (ONEDNN, ONEDNN_PACKED)
+CPU_KERNELS = [k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED) if k is MKL_PADDED or HAS_ONEDNN]
 
 
 def _padded(fn, x, multiple):
@@ -147,6 +149,7 @@ def test_cpu_float32_default_is_a_batch_invariant_kernel():
 def test_each_op_is_batch_invariant_with_row_padding(matmul):
     model = build_model(named_config("smollm2-135m", num_hidden_layers=1), max_positions=64, matmul=matmul)
     model.init_random_weights(seed=0)
+    model.pack_weights()  # as the runner does (a no-op for kernels without a weight layout of their own)
     layer = model.model.layers[0]
     h, d = model.config.hidden_size, model.config.head_dim
     cos, sin = model.rope_cos[17:18], model.rope_sin[17:18]
@@ -174,3 +177,23 @@ def test_without_padding_the_kernel_is_not_batch_invariant(matmul):
     if not differs:
         pytest.skip(f"{matmul.name} gives a lone row the same bits as a row in a batch here")
     assert _row_is_invariant(lambda t: matmul.linear(t, w, None), 576, matmul.row_multiple)[0]  # padding removes it
+
+
+@pytest.mark.skipif(not HAS_ONEDNN, reason="oneDNN matmul unavailable")
+def test_packed_weights_are_used_and_follow_in_place_changes():
+    model = build_model(named_config("tiny"), max_positions=64, matmul=ONEDNN_PACKED)
+    model.init_random_weights(seed=0)
+    lin = model.model.layers[0].mlp.down_proj
+    assert lin.packed.packed is None  # nothing packed until asked: weights may still be loading
+    model.pack_weights()
+    assert lin.packed.packed is not None and lin.packed.packed.is_mkldnn and model.lm_head_packed.packed is not None
+    x = torch.randn(4, lin.in_features)
+    with torch.inference_mode():
+        before = lin(x)
+        torch.testing.assert_close(before, x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lin.weight.mul_(2)  # bumps the version counter: the stale pack is redone
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), 2 * before, rtol=1e-5, atol=1e-5)
+    model.init_random_weights(seed=1)  # writes through .data: drops every pack
+    assert lin.packed.packed is None and model.lm_head_packed.packed is None

@@ -110,3 +110,10 @@ def test_auto_num_blocks_sizes_from_memory_with_a_floor():
     n = auto_num_blocks(config, 16, torch.float32, torch.device("cpu"), cpu_cap_bytes=64 << 20)
     assert n == (64 << 20) // per_block  # capped on the CPU
     assert auto_num_blocks(config, 16, torch.float32, torch.device("cpu"), cpu_cap_bytes=0, max_model_len=8192) == 512
+
+
+def test_runner_packs_the_weights_for_its_matmul_kernel():
+    runner = make_runner()
+    packs = runner.model.matmul.pack is not None
+    assert (runner.model.lm_head_packed.packed is not None) == packs
+    assert (runner.model.model.layers[0].self_attn.qkv_proj.packed.packed is not None) == packs

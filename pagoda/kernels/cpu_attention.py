@@ -7,9 +7,10 @@ the arithmetic done for one row depends only on that row's query and context:
 
 * Keys are folded in chunks of CHUNK absolute positions (chunk c holds
   positions [c*CHUNK, (c+1)*CHUNK) whatever the batch), in order, by an online
-  softmax. A row sees keys 0..pos; the rest are masked to -inf. A chunk wholly
-  after a row leaves its running max unchanged, so alpha = exp(0) = 1 and it
-  adds exact zeros: folding it in, or skipping it, is a bitwise no-op.
+  softmax. A row sees keys 0..pos; the rest are masked to -inf. Chunk 0 sets a
+  row's running state; a later chunk wholly after a row leaves its max
+  unchanged, so alpha = exp(0) = 1 and it adds exact zeros: folding it in, or
+  skipping it, is a bitwise no-op.
 * Within a chunk, keys form tiles of TILE positions. Scores are q @ k^T with
   the reduction over head_dim only; P @ V is one matmul per tile, so its
   reduction length is always TILE. MKL sgemm computes a row differently when
@@ -18,27 +19,31 @@ the arithmetic done for one row depends only on that row's query and context:
   multiple of ROW_MULTIPLE rows, query rows being zero-padded. With that, an
   element's bits did not depend on the other rows or columns, for 1 to 32 threads.
 * The chunk's max is exact (a max is order free); probabilities are summed
-  within each tile (fixed length TILE), and tile partials by a pairwise tree
-  (an odd one out carried up). That tree equals the tree over the tile count
-  zero-padded to a power of two, so a chunk cut short in one batch and not in
-  another gives the same bits. torch.exp is used, not the faster exp2, whose
-  vector and scalar-tail code disagree in the last bit on this build.
+  within each tile (fixed length TILE), and tile partials by a halving tree
+  (tile i + tile i + h, h the largest power of two below the count). That tree
+  equals the one over the tile count zero-padded to any power of two, so a
+  chunk cut short in one batch and not in another gives the same bits.
+  torch.exp is used, not the faster exp2, whose vector and scalar-tail code
+  disagree in the last bit on this build.
 
-Work is grouped for speed only: decodes of similar length share one batched
-matmul, and a prefill chunk is folded a few hundred rows at a time, each step
+Work is grouped for speed only: decodes of similar length share one set of
+ops, and a prefill chunk is folded a few hundred rows at a time, each step
 reading only the tiles up to its last position. The grouping never changes the
-bits, which is why it can follow a memory budget. The tests check all of this
-with torch.equal, with several chunks per context.
+bits, which is why it can follow a memory budget. Everything that depends only
+on the step's metadata (groups, cache blocks to read, masks) is an
+`AttentionPlan`, built once per step and reused by every layer. The tests check
+all of this with torch.equal, with several chunks per context.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pagoda.kernels.kv_cache import gather_contexts, write_kv
+from pagoda.kernels.kv_cache import write_kv
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.workspace import Workspace
 
@@ -52,6 +57,102 @@ SCORE_BUDGET = 1 << 20
 KV_BUDGET = 1 << 20
 
 
+@dataclass
+class KeyChunk:
+    """Key positions [start, start + length) of N sequences, read as whole cache blocks."""
+
+    start: int
+    length: int  # whole tiles and blocks
+    blocks: Tensor  # [N * length // block_size] int64 cache blocks, sequence by sequence
+    # slots at or past a sequence's end (None if there are none), which hold other data or nothing (NaN):
+    past_end: Tensor | None  # [P] int64 indices into the chunk's N * length slots, zeroed after the read
+    end_bias: Tensor | None  # [N, 1, length] float32: -inf at those slots, 0 elsewhere (a decode's mask)
+
+
+@dataclass
+class RowSet:
+    """Query rows folded together: decodes of similar length (rows = G heads each), or one chunk."""
+
+    seqs: list[int]
+    tokens: Tensor | slice  # the rows' tokens in the flat token axis (a slice when contiguous)
+    num_tokens: int  # per sequence: 1 for decodes, the chunk's length otherwise
+    rows: int  # per sequence: num_tokens * G padded to ROW_MULTIPLE
+    row_pos: Tensor  # [N, rows] int64 position of each row; padded rows repeat the last one
+    last_pos: list[int]  # per step of `step` rows: the largest position in it
+    step: int
+    chunks: list[KeyChunk]
+
+
+@dataclass
+class AttentionPlan:
+    """What a step's attention reads, from its metadata alone: built once, used by every layer."""
+
+    meta: AttentionMetadata
+    key: tuple  # cache geometry and module constants the plan was built for
+    row_sets: list[RowSet]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> AttentionPlan:
+        """Group the step's sequences and list the blocks each group reads."""
+        unit = math.lcm(TILE, block_size)  # key spans are whole tiles and whole blocks
+        chunk = _round_up(CHUNK, unit)
+        starts, seq_lens = meta.query_starts_cpu, meta.seq_lens_cpu
+        decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+        # per key of a chunk, a decode holds KVH * rows scores and KVH * D gathered values of K (and V)
+        rows = _round_up(group, ROW_MULTIPLE)
+        max_keys = min(SCORE_BUDGET // (num_kv_heads * rows), KV_BUDGET // (num_kv_heads * dim))
+        row_sets = []
+        for seqs in _decode_groups(decodes, seq_lens, chunk, max_keys):
+            lens = [seq_lens[b] for b in seqs]
+            tokens = [starts[b] for b in seqs]
+            contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            row_pos = (torch.tensor(lens, dtype=torch.int64)[:, None] - 1).expand(len(seqs), rows)
+            row_sets.append(RowSet(
+                seqs, slice(tokens[0], tokens[0] + len(tokens)) if contiguous else torch.tensor(tokens),
+                1, rows, row_pos, [max(lens) - 1], rows, _key_chunks(meta, seqs, lens, chunk, block_size, unit),
+            ))  # fmt: skip
+        for b, qlen in enumerate(meta.query_lens_cpu):
+            if qlen == 1:
+                continue
+            seq_len = seq_lens[b]
+            rows = _round_up(qlen * group, ROW_MULTIPLE)
+            pos = [min(seq_len - qlen + r // group, seq_len - 1) for r in range(rows)]  # padded rows: the last
+            # rows per step: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
+            step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
+            last = [pos[min(rows, lo + step) - 1] for lo in range(0, rows, step)]
+            row_sets.append(RowSet(
+                [b], slice(starts[b], starts[b] + qlen), qlen, rows, torch.tensor([pos]), last, step,
+                _key_chunks(meta, [b], [seq_len], chunk, block_size, unit),
+            ))  # fmt: skip
+        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets)
+
+    def fits(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> bool:
+        """Whether this plan was built for this step and this geometry."""
+        return self.meta is meta and self.key == _plan_key(block_size, num_kv_heads, group, dim)
+
+
+def _plan_key(*geometry: int) -> tuple:
+    return (*geometry, TILE, CHUNK, ROW_MULTIPLE, MIN_COLS, SCORE_BUDGET, KV_BUDGET)
+
+
+def _key_chunks(meta, seqs, lens, chunk, block_size, unit) -> list[KeyChunk]:
+    """The key chunks N sequences read: positions up to the longest, in whole tiles and blocks."""
+    end = _round_up(max(lens), unit)
+    tables = meta.block_tables[seqs].to(torch.int64)  # [N, max_blocks]
+    lens_t = torch.tensor(lens)
+    chunks = []
+    for start in range(0, end, chunk):
+        length = min(chunk, end - start)
+        cols = torch.arange(start // block_size, (start + length) // block_size).clamp(max=tables.shape[1] - 1)
+        past_end = bias = None
+        if min(lens) < start + length:
+            hidden = torch.arange(start, start + length)[None, :] >= lens_t[:, None]  # [N, length]
+            past_end = hidden.flatten().nonzero().flatten()
+            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None, :]
+        chunks.append(KeyChunk(start, length, tables[:, cols].flatten(), past_end, bias))
+    return chunks
+
+
 def cpu_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -60,28 +161,31 @@ def cpu_attention(
     scale: float,
     workspace: Workspace | None = None,
     out: Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> Tensor:
     """q [T, H, D] -> out [T, H, D]; causal paged attention, bitwise batch invariant per row."""
     ws = workspace or Workspace()
     out = torch.empty_like(q) if out is None else out
     num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
-    chunk = _round_up(CHUNK, _key_unit(k_cache))
-    decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-    # per key of a chunk, a decode holds KVH * rows scores and KVH * D gathered values of K (and V)
-    rows = _round_up(group, ROW_MULTIPLE)
-    max_keys = min(SCORE_BUDGET // (num_kv_heads * rows), KV_BUDGET // (num_kv_heads * dim))
-    for seqs in _decode_groups(decodes, meta.seq_lens_cpu, chunk, max_keys):
-        _attend_decodes(q, k_cache, v_cache, meta, scale, seqs, chunk, out, ws)
-    for b, n in enumerate(meta.query_lens_cpu):
-        if n > 1:
-            _attend_chunk(q, k_cache, v_cache, meta, scale, b, chunk, out, ws)
+    if plan is None:
+        plan = AttentionPlan.build(meta, k_cache.shape[1], num_kv_heads, group, dim)
+    for rs in plan.row_sets:
+        n, qlen = len(rs.seqs), rs.num_tokens
+        # rows of kv head h: (token t, query head h * G + g) at row t * G + g, zero-padded to rs.rows
+        q_rows = ws.get("q_rows", (num_kv_heads, n, rs.rows, dim))
+        if rs.rows > qlen * group:
+            q_rows[:, :, qlen * group :].zero_()
+        src = q[rs.tokens].view(n, qlen, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4).float()
+        torch.mul(src, scale, out=q_rows[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, dim))
+        numer, denom = _attend_rows(q_rows, rs, k_cache, v_cache, ws)  # [KVH, N, R, D], [KVH, N, R, 1]
+        numer = numer[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, dim)
+        denom = denom[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, 1)
+        if isinstance(rs.tokens, slice):  # divide straight into out's rows, in its dtype
+            torch.div(numer, denom, out=out[rs.tokens].view(n, qlen, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4))
+        else:
+            out[rs.tokens] = (numer / denom).permute(1, 2, 0, 3, 4).reshape(n * qlen, -1, dim).to(out.dtype)
     return out
-
-
-def _key_unit(k_cache: Tensor) -> int:
-    """Key spans are whole tiles and whole blocks, so a gather never splits a block."""
-    return math.lcm(TILE, k_cache.shape[1])
 
 
 def _decode_groups(decodes: list[int], seq_lens: list[int], chunk: int, max_keys: int) -> list[list[int]]:
@@ -99,105 +203,112 @@ def _decode_groups(decodes: list[int], seq_lens: list[int], chunk: int, max_keys
     return groups
 
 
-def _attend_decodes(q, k_cache, v_cache, meta, scale, seqs, chunk, out, ws) -> None:
-    """One query row per sequence: its G query heads per kv head are the rows, padded to ROW_MULTIPLE."""
-    num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    lens = [meta.seq_lens_cpu[b] for b in seqs]
-    tokens = meta.query_start_loc[seqs].to(torch.int64)
-    rows = _round_up(group, ROW_MULTIPLE)
-    q_rows = torch.zeros((num_kv_heads, len(seqs), rows, dim), dtype=torch.float32)
-    q_rows[:, :, :group] = q[tokens].view(len(seqs), num_kv_heads, group, dim).transpose(0, 1).float() * scale
-    # padded rows (discarded) copy the real rows' position so they widen no mask
-    row_pos = (torch.tensor(lens, dtype=torch.int64)[:, None] - 1).expand(len(seqs), rows)
-    o = _attend_rows(q_rows, row_pos, k_cache, v_cache, meta.block_tables[seqs], lens, chunk, rows, ws)
-    out[tokens] = o[:, :, :group].transpose(0, 1).reshape(len(seqs), num_kv_heads * group, dim).to(out.dtype)
-
-
-def _attend_chunk(q, k_cache, v_cache, meta, scale, b, chunk, out, ws) -> None:
-    """The new tokens of sequence b: row r of kv head h is (token r // G, query head h * G + r % G)."""
-    num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    token_start, qlen, seq_len = meta.query_starts_cpu[b], meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
-    rows = _round_up(qlen * group, ROW_MULTIPLE)
-    new = q[token_start : token_start + qlen]  # [qlen, H, D]
-    q_rows = torch.zeros((num_kv_heads, 1, rows, dim), dtype=torch.float32)
-    q_rows[:, 0, : qlen * group] = (
-        new.reshape(qlen, num_kv_heads, group, dim).transpose(0, 1).reshape(num_kv_heads, -1, dim).float() * scale
-    )
-    row_pos = torch.full((1, rows), seq_len - 1, dtype=torch.int64)  # padded rows: the last position
-    row_pos[0, : qlen * group] = torch.arange(seq_len - qlen, seq_len).repeat_interleave(group)
-    # rows per step: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
-    step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
-    o = _attend_rows(q_rows, row_pos, k_cache, v_cache, meta.block_tables[b : b + 1], [seq_len], chunk, step, ws)
-    o = o[:, 0, : qlen * group].reshape(num_kv_heads, qlen, group, dim).transpose(0, 1)
-    out[token_start : token_start + qlen] = o.reshape(qlen, num_kv_heads * group, dim).to(out.dtype)
-
-
-def _attend_rows(q, row_pos, k_cache, v_cache, block_tables, lens, chunk, step, ws) -> Tensor:
-    """q [KVH, N, R, D] (scaled), row_pos [N, R] -> [KVH, N, R, D]: online softmax over fixed key chunks.
+def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
+    """q [KVH, N, R, D] (scaled) -> softmax-weighted V [KVH, N, R, D] and its weight sum [KVH, N, R, 1].
 
     Chunk c holds keys [c * chunk, (c + 1) * chunk) whatever the batch, and chunks are folded in
     order. A chunk wholly after a row's position leaves it exactly unchanged (alpha = exp(0) = 1,
     nothing added), so the row's bits depend only on the chunks it sees.
     """
     num_kv_heads, n, rows, dim = q.shape
-    row_max = torch.full((num_kv_heads, n, rows), float("-inf"))
-    denom = torch.zeros((num_kv_heads, n, rows))
-    numer = torch.zeros((num_kv_heads, n, rows, dim))
-    end = _round_up(int(row_pos.max()) + 1, _key_unit(k_cache))
-    for start in range(0, end, chunk):
-        k, v = gather_contexts(k_cache, v_cache, block_tables, lens, min(chunk, end - start), ws, start)
-        for lo in range(0, rows, step):
-            hi = min(rows, lo + step)
-            last = int(row_pos[:, lo:hi].max())
-            if last < start:
+    if len(rs.chunks) == 1 and rs.step >= rows:  # one fold: its result is the answer
+        kc = rs.chunks[0]
+        k, v = _gather(k_cache, v_cache, kc, n, ws)
+        keys = min(kc.length, _round_up(rs.last_pos[0] + 1, TILE))
+        numer, denom, _ = _fold_chunk(q, rs, 0, rows, k[:, :keys], v[:, :keys], kc, ws)
+        return numer, denom
+    numer = ws.get("numer", (num_kv_heads, n, rows, dim))
+    denom = ws.get("denom", (num_kv_heads, n, rows, 1))
+    row_max = ws.get("row_max", (num_kv_heads, n, rows, 1))
+    for kc in rs.chunks:
+        k, v = _gather(k_cache, v_cache, kc, n, ws)
+        for i, lo in enumerate(range(0, rows, rs.step)):
+            hi = min(rows, lo + rs.step)
+            if rs.last_pos[i] < kc.start:
                 continue  # every row of the step is before this chunk: folding it in is a no-op
-            keys = min(k.shape[1], _round_up(last + 1 - start, TILE))  # tiles after every row: no-ops too
-            _fold_chunk(q[:, :, lo:hi], row_pos[:, lo:hi], k[:, :keys], v[:, :keys], start, ws,
-                        row_max[:, :, lo:hi], denom[:, :, lo:hi], numer[:, :, lo:hi])  # fmt: skip
-    return numer / denom[..., None]
+            keys = min(kc.length, _round_up(rs.last_pos[i] + 1 - kc.start, TILE))  # tiles after every row: no-ops
+            m = row_max[:, :, lo:hi] if kc.start else None
+            c_numer, c_denom, c_max = _fold_chunk(q, rs, lo, hi, k[:, :keys], v[:, :keys], kc, ws, m)
+            if kc.start == 0:  # a row's first chunk: every row sees key 0
+                numer[:, :, lo:hi].copy_(c_numer)
+                denom[:, :, lo:hi].copy_(c_denom)
+                row_max[:, :, lo:hi].copy_(c_max)
+                continue
+            alpha = torch.exp(row_max[:, :, lo:hi] - c_max)  # exactly 1 for a row that sees nothing new
+            denom[:, :, lo:hi].mul_(alpha).add_(c_denom)
+            numer[:, :, lo:hi].mul_(alpha).add_(c_numer)
+            row_max[:, :, lo:hi].copy_(c_max)
+    return numer, denom
 
 
-def _fold_chunk(q, row_pos, k, v, start, ws, row_max, denom, numer) -> None:
-    """Fold keys [start, start + L) (k/v [N, L, KVH, D]) into the running (max, sum, weighted V) in place."""
-    num_kv_heads, n, rows, dim = q.shape
-    length = k.shape[1]
+def _gather(k_cache: Tensor, v_cache: Tensor, kc: KeyChunk, n: int, ws: Workspace) -> tuple[Tensor, Tensor]:
+    """Read a key chunk as float32 [N, length, KVH, D], zeroed past each end.
+
+    Zeros keep a masked score finite (so a -inf bias masks it) and 0 * V exactly 0.
+    """
+    gathered = []
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        # a block is one contiguous run of block_size * KVH * D values: index_select copies it whole
+        raw = ws.get(name + "_raw", (kc.blocks.numel(), *cache.shape[1:]), cache.dtype)
+        torch.index_select(cache, 0, kc.blocks, out=raw)
+        if cache.dtype != torch.float32:
+            raw = ws.get(name, raw.shape).copy_(raw)
+        if kc.past_end is not None:  # whole slots: index_fill_ is far faster than a broadcast mask
+            raw.view(n * kc.length, -1).index_fill_(0, kc.past_end, 0.0)
+        gathered.append(raw.view(n, kc.length, *cache.shape[2:]))
+    return gathered[0], gathered[1]
+
+
+def _fold_chunk(q, rs, lo, hi, k, v, kc, ws, row_max=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows lo:hi against the first L keys of chunk kc (k/v [N, L, KVH, D]).
+
+    Returns the chunk's (weighted V [KVH, N, r, D], weight sum [KVH, N, r, 1], max [KVH, N, r, 1]),
+    weights taken relative to max(row_max, the chunk's max); row_max None means the row's first chunk.
+    """
+    num_kv_heads, n, _, dim = q.shape
+    rows, length = hi - lo, k.shape[1]
     tiles = length // TILE
     scores = ws.get("scores", (num_kv_heads, n, rows, length))
-    for h in range(num_kv_heads):  # k[:, :, h] is a strided view: no copy of K per head
-        torch.bmm(q[h], k[:, :, h].transpose(1, 2), out=scores[h])  # one dot over D per element
-    # keys up to the first row's position are visible to every row: mask only the band after it
-    band = max(0, int(row_pos.min()) + 1 - start)
-    if band < length:
-        hidden = torch.arange(start + band, start + length) > row_pos[:, :, None]  # causal and past the end
-        scores[..., band:].masked_fill_(hidden, float("-inf"))
-    new_max = torch.maximum(row_max, scores.amax(dim=-1))  # exact, order free; finite from chunk 0 on
-    alpha = torch.exp(row_max - new_max)  # exactly 1 for a row that sees nothing new
-    probs = scores.sub_(new_max[..., None]).exp_().view(num_kv_heads, n, rows, tiles, TILE)  # hidden -> 0
+    if n == 1:  # one product batched over kv heads: k[0].permute(1, 2, 0) is a strided view [KVH, D, L]
+        torch.bmm(q[:, 0, lo:hi], k[0].permute(1, 2, 0), out=scores.view(num_kv_heads, rows, length))
+    else:  # per kv head, k.unbind(2)[h] is a strided view [N, L, D]: no copy of K per head
+        for q_h, k_h, s_h in zip(q[:, :, lo:hi].unbind(0), k.unbind(2), scores.unbind(0)):
+            torch.bmm(q_h, k_h.transpose(1, 2), out=s_h)  # one dot over D per element
+    if rs.num_tokens > 1:  # causal: row r sees keys up to its position
+        hidden = torch.arange(kc.start, kc.start + length)[None, None, :] > rs.row_pos[:, lo:hi, None]
+        scores.masked_fill_(hidden, float("-inf"))
+    elif kc.end_bias is not None:  # a decode sees its whole context: only slots past its end are hidden
+        scores.add_(kc.end_bias[:, :, :length])  # s + 0 is s (up to the sign of a zero, which exp ignores)
+    new_max = scores.amax(dim=-1, keepdim=True)  # exact, order free; finite in chunk 0 (key 0 is visible)
+    if row_max is not None:
+        new_max = torch.maximum(row_max, new_max)
+    probs = scores.sub_(new_max).exp_()  # hidden -> 0
+    sums = probs.view(num_kv_heads, n, rows, tiles, TILE).sum(dim=-1)  # [KVH, N, r, tiles]
     if dim < MIN_COLS:  # keep P @ V off MKL's few-column path
         v = torch.nn.functional.pad(v, (0, MIN_COLS - dim))
     cols = v.shape[-1]
+    probs_t = ws.get("probs_t", (num_kv_heads, n, tiles, rows, TILE))
+    probs_t.copy_(probs.view(num_kv_heads, n, rows, tiles, TILE).transpose(2, 3))
     parts = ws.get("parts", (num_kv_heads, n * tiles, rows, cols))
-    probs_t = ws.get("probs_t", (n, tiles, rows, TILE))
-    for h in range(num_kv_heads):
-        probs_t.copy_(probs[h].transpose(1, 2))
-        # [N * tiles, R, TILE] @ [N * tiles, TILE, D]: every reduction is TILE long
-        torch.bmm(probs_t.view(-1, rows, TILE), v[:, :, h].reshape(n * tiles, TILE, cols), out=parts[h])
-    chunk_numer = _tree_sum(parts.view(num_kv_heads, n, tiles, rows, cols), dim=2)[..., :dim]
-    denom.mul_(alpha).add_(_tree_sum(probs.sum(dim=-1), dim=3))
-    numer.mul_(alpha[..., None]).add_(chunk_numer)
-    row_max.copy_(new_max)
+    for p_h, v_h, o_h in zip(probs_t.unbind(0), v.unbind(2), parts.unbind(0)):
+        # [N * tiles, r, TILE] @ [N * tiles, TILE, cols]: every reduction is TILE long
+        torch.bmm(p_h.view(n * tiles, rows, TILE), v_h.reshape(n * tiles, TILE, cols), out=o_h)
+    numer = _halving_sum_(parts.view(num_kv_heads, n, tiles, rows, cols), 2)[..., :dim]
+    return numer, _halving_sum_(sums, 3)[..., None], new_max
 
 
-def _tree_sum(x: Tensor, dim: int) -> Tensor:
-    """Sum over `dim` by pairing neighbours level by level; equal to zero-padding it to a power of two."""
-    while x.shape[dim] > 1:
-        count = x.shape[dim]
-        pairs = x.narrow(dim, 0, count - count % 2).unflatten(dim, (count // 2, 2))
-        summed = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
-        x = torch.cat([summed, x.narrow(dim, count - 1, 1)], dim) if count % 2 else summed
-    return x.squeeze(dim)
+def _halving_sum_(x: Tensor, dim: int) -> Tensor:
+    """Sum over `dim` in place, adding entry i + h into entry i (h the largest power of two below the count).
+
+    Equal to the same tree over `dim` zero-padded to any power of two, so trailing all-zero
+    entries never change the bits. Returns the sum (entry 0, `dim` dropped); x is overwritten.
+    """
+    count = x.shape[dim]
+    while count > 1:
+        half = 1 << ((count - 1).bit_length() - 1)
+        x.narrow(dim, 0, count - half).add_(x.narrow(dim, half, count - half))
+        count = half
+    return x.select(dim, 0)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -211,6 +322,7 @@ class CpuBackend:
 
     def __init__(self) -> None:
         self.workspace = Workspace()  # scratch reused across steps; one backend serves one runner thread
+        self.plan: AttentionPlan | None = None  # the current step's, shared by its layers
 
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Store new K/V through slot_mapping."""
@@ -220,4 +332,7 @@ class CpuBackend:
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
         """Causal attention of the new tokens over their cached context."""
-        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace)
+        geometry = (k_cache.shape[1], k_cache.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[3])
+        if self.plan is None or not self.plan.fits(meta, *geometry):
+            self.plan = AttentionPlan.build(meta, *geometry)
+        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)

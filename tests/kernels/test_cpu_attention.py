@@ -237,3 +237,67 @@ def test_default_chunk_over_a_long_context(monkeypatch):
         assert torch.equal(run_cpu(world.batch([(0, p, 1), (1, 39, 1)]))[0], whole[p]), p
     tail = run_cpu(world.batch([(0, 1500, n - 1500)]))
     assert torch.equal(tail, whole[1500:])
+
+
+# ---------------------------------------------------------------- the per-step plan and random batches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_steps_give_every_row_its_prefill_bits(seed):
+    # random geometry, lengths across several key chunks, and steps mixing decodes (alone, in
+    # groups, at non-adjacent token offsets) with chunks at random offsets
+    gen = torch.Generator().manual_seed(100 + seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=gen))  # noqa: E731
+    group, kv_heads = [1, 3, 4, 5][seed % 4], 1 + seed % 3
+    block_size, head_dim = [16, 4, 48][seed % 3], [64, 32, 8][seed % 3]
+    lens = [rand(1, 3 * SMALL_CHUNK) for _ in range(7)]
+    world = World(lens, num_heads=group * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                  block_size=block_size, seed=seed)
+    prefill = [run_cpu(world.batch([(i, 0, n)])) for i, n in enumerate(lens)]
+    seen = {"decode groups": 0, "scattered decodes": 0, "multi-chunk decodes": 0, "chunks": 0}
+    for _ in range(12):
+        items = []
+        for i in torch.randperm(len(lens), generator=gen).tolist()[: rand(1, len(lens) + 1)]:
+            pos = rand(0, lens[i])
+            n = 1 if rand(0, 2) else rand(1, lens[i] - pos + 1)
+            items.append((i, pos, n))
+        step = world.batch(items)
+        out = run_cpu(step)
+        for j, (i, s, n) in enumerate(items):
+            assert torch.equal(out[step.rows_of(j)], prefill[i][s : s + n]), (seed, items, j)
+        decodes = [j for j, (_, _, n) in enumerate(items) if n == 1]
+        seen["decode groups"] += len(decodes) > 1
+        seen["scattered decodes"] += any(b - a > 1 for a, b in zip(decodes, decodes[1:]))
+        seen["multi-chunk decodes"] += any(items[j][1] >= SMALL_CHUNK for j in decodes)
+        seen["chunks"] += len(decodes) < len(items)
+    assert all(seen.values()), seen  # every hard case happened
+
+
+def test_backend_builds_one_plan_per_step_for_all_layers(world, full_prefill):
+    backend = CpuBackend()
+    items = [(0, 299, 1), (2, 10, 54), (1, 160, 1)]
+    step = world.batch(items)
+    layers = [backend.attention(step.q * (1 + layer), step.k_cache, step.v_cache, step.meta, step.scale)
+              for layer in range(3)]
+    plan = backend.plan
+    assert plan is not None and plan.meta is step.meta and len(plan.row_sets) == 2  # the decodes, the chunk
+    backend.attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+    assert backend.plan is plan  # reused by a later layer of the same step
+    for layer, got in enumerate(layers):
+        want = cpu_attention(step.q * (1 + layer), step.k_cache, step.v_cache, step.meta, step.scale)
+        assert torch.equal(got, want)
+    for j, (i, s, n) in enumerate(items):
+        assert torch.equal(layers[0][step.rows_of(j)], full_prefill[i][s : s + n])
+    other = world.batch([(3, 64, 1)])
+    backend.attention(other.q, other.k_cache, other.v_cache, other.meta, other.scale)
+    assert backend.plan is not plan and backend.plan.meta is other.meta  # a new step, a new plan
+
+
+def test_halving_sum_ignores_trailing_zero_entries():
+    gen = torch.Generator().manual_seed(3)
+    for count in range(1, 20):
+        x = torch.randn(2, count, 5, generator=gen)
+        want = cpu_mod._halving_sum_(x.clone(), 1)
+        for padded in (count + 1, 16, 32):
+            z = torch.cat((x, torch.zeros(2, max(0, padded - count), 5)), 1)
+            assert torch.equal(cpu_mod._halving_sum_(z, 1), want), (count, padded)

@@ -54,17 +54,28 @@ class MatmulKernel:
 
     name: str
     row_multiple: int
-    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x, weight or pack(weight), bias)
+    pack: Callable[[Tensor], Tensor] | None = None  # weight [out, in] -> the kernel's own layout
 
 
 def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _onednn_pack(weight: Tensor) -> Tensor:
+    # no row-count hint: oneDNN picks a blocked layout for a row count known only at run time
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
 # oneDNN's fp32 matmul takes one path for every row count >= 2 (1 row is a
 # matrix-vector product with other rounding), and streams the weights faster
 # than MKL sgemm for the few-row products of decoding.
 ONEDNN = MatmulKernel("onednn", 2, _onednn_linear)
+# The same products on weights reordered once into oneDNN's blocked layout: the
+# per-call reorder is gone, and 4-row products stream the weights fastest (a
+# decode's lone row is padded to 4, not 2). Rows are bit-identical for every
+# row count >= 2 (a lone row with more than 1024 inputs takes another path).
+ONEDNN_PACKED = MatmulKernel("onednn_packed", 4, _onednn_linear, _onednn_pack)
 # MKL sgemm computes rows in groups of four; a row in a remainder group (or a
 # lone row) takes another path. Padding to four rows is slower than oneDNN.
 MKL_PADDED = MatmulKernel("mkl", 4, F.linear)
@@ -73,14 +84,16 @@ PLAIN = MatmulKernel("torch", 1, F.linear)  # GPUs, and CPU runs that opt out of
 
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
-    kernels = {k.name: k for k in (ONEDNN, MKL_PADDED, PLAIN)}
+    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED, PLAIN)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")
         return kernels[name]
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return PLAIN
-    return ONEDNN if _has_onednn_linear() else MKL_PADDED
+    if not _has_onednn_linear():
+        return MKL_PADDED
+    return ONEDNN_PACKED if _has_onednn_pack() else ONEDNN
 
 
 def _has_onednn_linear() -> bool:
@@ -93,15 +106,55 @@ def _has_onednn_linear() -> bool:
     return True
 
 
+def _has_onednn_pack() -> bool:
+    try:
+        _onednn_linear(torch.zeros(4, 4), _onednn_pack(torch.zeros(3, 4)), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class PackedWeight:
+    """A weight reordered by its MatmulKernel, redone when the weight changes in place.
+
+    Writes through `.data` bypass the version counter, so code that loads weights that
+    way calls `Transformer.pack_weights()` afterwards (the runner does, at start-up).
+    """
+
+    def __init__(self, matmul: MatmulKernel) -> None:
+        self.matmul = matmul
+        self.packed: Tensor | None = None
+        self.key: tuple[int, int] | None = None
+
+    def pack(self, weight: Tensor) -> None:
+        """Snapshot `weight` in the kernel's layout (no-op for kernels that use it as is)."""
+        if self.matmul.pack is not None:
+            with torch.no_grad():
+                self.packed = self.matmul.pack(weight)
+            self.key = (weight.data_ptr(), weight._version)
+
+    def clear(self) -> None:
+        self.packed, self.key = None, None
+
+    def operand(self, weight: Tensor) -> Tensor:
+        """The tensor to multiply by: the pack when there is one (repacked if stale), else the weight."""
+        if self.packed is None:
+            return weight
+        if self.key != (weight.data_ptr(), weight._version):
+            self.pack(weight)
+        return self.packed
+
+
 class Linear(nn.Linear):
     """nn.Linear whose product runs on the model's MatmulKernel."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, matmul: MatmulKernel, **factory: Any) -> None:
         super().__init__(in_features, out_features, bias=bias, **factory)
         self.matmul = matmul
+        self.packed = PackedWeight(matmul)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.matmul.linear(x, self.weight, self.bias)
+        return self.matmul.linear(x, self.packed.operand(self.weight), self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -248,6 +301,7 @@ class Transformer(nn.Module):
         self.lm_head = None  # tied: the LM head is the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, matmul, **factory)
+        self.lm_head_packed = PackedWeight(matmul)
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         if self.rope_cos.device.type != "meta":
@@ -263,6 +317,20 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def _packs(self) -> list[tuple[PackedWeight, Tensor]]:
+        packs = [(m.packed, m.weight) for m in self.modules() if isinstance(m, Linear)]
+        return packs + [(self.lm_head_packed, self.lm_head_weight)]
+
+    def pack_weights(self) -> None:
+        """Reorder every matmul weight into the kernel's layout once (a copy: the plain weights stay)."""
+        for packed, weight in self._packs():
+            packed.pack(weight)
+
+    def unpack_weights(self) -> None:
+        """Drop the reordered copies; products read the plain weights again."""
+        for packed, _ in self._packs():
+            packed.clear()
+
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: StepContext) -> Tensor:
         """input_ids, positions: [Tp] -> final-normed hidden states [Tp, H]."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
@@ -276,7 +344,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32."""
-        return self.matmul.linear(hidden, self.lm_head_weight, None).float()
+        return self.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None).float()
 
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         """Dense, unpaged forward of one sequence: input_ids [T] -> logits [T, V] (the test oracle)."""
@@ -289,6 +357,7 @@ class Transformer(nn.Module):
 
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Fill every weight from a seeded normal (norms get 1 + noise): for tests and benchmarks."""
+        self.unpack_weights()  # the packs would be stale (writes through .data keep the version)
         gens: dict[torch.device, torch.Generator] = {}
         for name, p in sorted(self.named_parameters()):
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))

@@ -49,6 +49,7 @@ class TorchModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.model = model
+        model.pack_weights()  # weights are loaded by now: reorder them for the matmul kernel once
         self.config: ModelConfig = model.config
         self.vocab_size = self.config.vocab_size
         self.num_blocks, self.block_size = num_blocks, block_size
