@@ -64,8 +64,9 @@ def _probs(row: torch.Tensor, params) -> torch.Tensor:
         row = row.masked_fill(row < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_row, order = torch.sort(row, descending=True)
-        cumulative = torch.softmax(sorted_row, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_row, dim=-1) >= params.top_p  # keep the token that crosses top_p
+        sorted_probs = torch.softmax(sorted_row, dim=-1)
+        # Drop a token when the tokens before it already reach top_p: the one that crosses it stays.
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if params.min_p > 0:
