@@ -37,6 +37,40 @@ def dot_precision(q: Tensor) -> str:
 
 
 @triton.jit
+def fold_tile(
+    q, m_i, l_i, acc, pos, p_ok, keep, seq, kv_head, offs_d, d_ok, scale_log2,
+    k_ptr, v_ptr, tables_ptr, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_tb,
+    BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold one tile of keys (positions `pos`, valid where `p_ok`, seen where `keep`) into the online softmax.
+
+    Decode and prefill both call this, so a row's keys are read and reduced the same way on either path.
+    q [R, DIM_PAD]; m_i, l_i [R]; acc [R, DIM_PAD]; keep [R, TILE]. Returns the new (m_i, l_i, acc).
+    """
+    block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = p_ok[:, None] & d_ok[None, :]
+    k = tl.load(
+        k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kp + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [TILE, DIM_PAD]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, TILE]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite for every row with a valid position in the tile
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(
+        v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vp + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [TILE, DIM_PAD]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -73,29 +107,11 @@ def _decode_split_kernel(
         for start in range(split_start, split_end, TILE):
             pos = start + tl.arange(0, TILE)
             p_ok = pos < split_end
-            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = p_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kp + kv_head * stride_kh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )  # [TILE, DIM_PAD]
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
-            s = tl.where(p_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid position
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vp + kv_head * stride_vh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = fold_tile(
+                q, m_i, l_i, acc, pos, p_ok, p_ok[None, :], seq, kv_head, offs_d, d_ok, scale_log2,
+                k_ptr, v_ptr, tables_ptr, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_tb,
+                BLOCK_SIZE, PRECISION,
+            )  # fmt: skip
         part = seq * stride_pb + heads * stride_ph + split * stride_ps  # [GROUP_PAD]
         tl.store(part_m_ptr + part, m_i, mask=g_ok)
         tl.store(part_l_ptr + part, l_i, mask=g_ok)

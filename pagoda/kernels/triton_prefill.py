@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagoda.kernels.metadata import AttentionMetadata
-from pagoda.kernels.triton_decode import LOG2E, TILE_N, dot_precision
+from pagoda.kernels.triton_decode import LOG2E, TILE_N, dot_precision, fold_tile
 
 BLOCK_M = 64  # q rows per program: tokens x padded group; keys in tiles of TILE_N, as in decode
 
@@ -69,29 +69,12 @@ def _prefill_kernel(
         for start in range(0, end, TILE):
             pos = start + tl.arange(0, TILE)
             p_ok = pos < end
-            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = p_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kp + kv_head * stride_kh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )  # [TILE, DIM_PAD]
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE]
-            s = tl.where(p_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vp + kv_head * stride_vh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            keep = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # causal
+            m_i, l_i, acc = fold_tile(
+                q, m_i, l_i, acc, pos, p_ok, keep, seq, kv_head, offs_d, d_ok, scale_log2,
+                k_ptr, v_ptr, tables_ptr, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_tb,
+                BLOCK_SIZE, PRECISION,
+            )  # fmt: skip
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

@@ -11,7 +11,6 @@ from pagoda.core.engine import RequestOutput
 from pagoda.plugins import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
-    join_text_parts,
     ApiError,
     Call,
     Completion,
@@ -20,6 +19,7 @@ from pagoda.plugins.protocol import (
     Generation,
     RequestError,
     ServeContext,
+    join_text_parts,
     make_sampling_params,
 )
 

@@ -21,7 +21,6 @@ from pagoda.core.request import FinishReason
 from pagoda.plugins import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
-    join_text_parts,
     ApiError,
     Call,
     Completion,
@@ -30,6 +29,7 @@ from pagoda.plugins.protocol import (
     Generation,
     RequestError,
     ServeContext,
+    join_text_parts,
     make_sampling_params,
 )
 
