@@ -9,6 +9,7 @@ recompute after preemption is a longer chunk, possibly one of several.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pagoda.core.request import Request
 
@@ -40,11 +41,12 @@ class SchedulerOutput:
     block_size: int
     preempted_ids: list[str] = field(default_factory=list)
 
-    @property
+    # Read several times per step (engine, runner, sampler): computed once per batch.
+    @cached_property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    @property
+    @cached_property
     def sample_chunks(self) -> list[ScheduledChunk]:
         """The chunks whose last position is sampled, in the order the runner returns logits."""
         return [c for c in self.chunks if c.samples]
