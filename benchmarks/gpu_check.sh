@@ -46,7 +46,7 @@ else
   echo "gpu_check: no CUDA device; running the CPU benchmark on a tiny grid instead"
   bench_args=(--quick)
 fi
-timeout 900 "$PY" -m pagoda.kernels.bench "${bench_args[@]}" --json "$OUT_DIR/bench_kernels.json" 2>&1 \
+timeout 900 "$PY" -m pagoda.bench.kernels "${bench_args[@]}" --json "$OUT_DIR/bench_kernels.json" 2>&1 \
   | tee "$OUT_DIR/bench_kernels.md"
 bench_status=${PIPESTATUS[0]}
 

@@ -1,3 +1,3 @@
-from pagoda.api.cli import main
+from pagoda.cli.main import main
 
 raise SystemExit(main())

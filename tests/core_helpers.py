@@ -1,6 +1,6 @@
 """Small builders shared by the core unit tests."""
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.api.live_server import LiveServer, start_server
+from pagoda.harness.live_server import LiveServer, start_server
 from pagoda.api.settings import ServeSettings
 from pagoda.core.request import Request
 

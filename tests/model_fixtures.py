@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.core.model.hub import SMOLLM2_135M_INSTRUCT, find_embedded_gguf, resolve_model
+from pagoda.model.hub import SMOLLM2_135M_INSTRUCT, find_embedded_gguf, resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.api.live_server import LiveServer, start_server  # noqa: F401  (re-exported for tests)
-from pagoda.core.model.config import named_config
+from pagoda.harness.live_server import LiveServer, start_server  # noqa: F401  (re-exported for tests)
+from pagoda.model.config import named_config
 from tests.model_fixtures import default_model_dir  # noqa: F401  (a fixture used below)
 
 TINY_NAME = "tiny-random"

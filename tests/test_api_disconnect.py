@@ -1,10 +1,10 @@
-"""The client watch and the job's end (pagoda.api.disconnect), without a server."""
+"""The client watch and the job's end (pagoda.api.client_watch), without a server."""
 
 import asyncio
 
 import pytest
 
-from pagoda.api.disconnect import CLIENT_DISCONNECT, ClientGone, ClientWatch, end_job, wait_for_disconnect
+from pagoda.api.client_watch import CLIENT_DISCONNECT, ClientGone, ClientWatch, end_job, wait_for_disconnect
 
 
 class Connection:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
-from pagoda.core.model.config import named_config
-from pagoda.core.model.llama import build_model
-from pagoda.core.model.loader import load_model
-from pagoda.core.model.runner import TorchModelRunner
+from pagoda.model.config import named_config
+from pagoda.model.llama import build_model
+from pagoda.model.loader import load_model
+from pagoda.model.runner import TorchModelRunner
 from pagoda.core.sampling_params import SamplingParams
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pagoda.api import bench_disconnect
+from pagoda.bench import disconnect as bench_disconnect
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ import textwrap
 import pytest
 
 from pagoda.core.request import FinishReason
-from pagoda.plugins.disconnect import AbortOnDisconnect, DisconnectPolicy
-from pagoda.plugins.disconnect_finish import FinishOnDisconnect
+from pagoda.plugins.builtin.disconnect_abort import AbortOnDisconnect
+from pagoda.plugins.disconnect import DisconnectPolicy
+from pagoda.plugins.builtin.disconnect_finish import FinishOnDisconnect
 from pagoda.plugins.manager import collect_disconnect_policies, describe_plugins, load_plugins
 from tests.disconnect_helpers import (
     ONE_SLOT_ENGINE,

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from pagoda.api import stream_writer
-from pagoda.api.disconnect import CLIENT_DISCONNECT, SEND_STALL, ClientGone
+from pagoda.api.client_watch import CLIENT_DISCONNECT, SEND_STALL, ClientGone
 from pagoda.api.stream_writer import END, GONE, ResponseWriter, encode_ndjson, encode_sse
 from pagoda.plugins.protocol import Event
 

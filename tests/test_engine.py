@@ -1,6 +1,6 @@
 import pytest
 
-from pagoda.core.model_runner import RunnerOutput
+from pagoda.core.batch import RunnerOutput
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import KVCacheExhausted
@@ -148,7 +148,7 @@ class ScriptedRunner:
 
 
 def test_stop_string_across_tokens_ends_with_text_before_it(default_tokenizer):
-    from pagoda.core.config import EngineConfig
+    from pagoda.core.engine_config import EngineConfig
     from pagoda.core.engine import Engine
 
     tok = default_tokenizer

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagoda.core.model import gguf_import, hub
-from pagoda.core.model.gguf_import import (
+from pagoda.model import gguf_import, hub
+from pagoda.model.gguf_import import (
     IMPORT_FORMAT_VERSION,
     IMPORT_MARKER,
     REQUIRED_FILES,
@@ -18,7 +18,7 @@ from pagoda.core.model.gguf_import import (
     is_complete_import,
     unpermute_rows,
 )
-from pagoda.core.model.hub import SMOLLM2_135M_INSTRUCT, EmbeddedModel, find_embedded_gguf, resolve_model
+from pagoda.model.hub import SMOLLM2_135M_INSTRUCT, EmbeddedModel, find_embedded_gguf, resolve_model
 
 FRANCE_PROMPT_IDS = [
     1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
@@ -242,7 +242,7 @@ def _fake_import(path: Path, version: int = IMPORT_FORMAT_VERSION) -> Path:
 
 
 def test_tokenizer_files_from_metadata_add_bos_when_asked():
-    from pagoda.core.model.gguf_vocab import build_pre_tokenizer, build_tokenizer_files
+    from pagoda.model.gguf_vocab import build_pre_tokenizer, build_tokenizer_files
 
     meta = {
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",

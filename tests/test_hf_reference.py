@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
-from pagoda.core.model.loader import load_model
-from pagoda.core.model.runner import TorchModelRunner
+from pagoda.model.loader import load_model
+from pagoda.model.runner import TorchModelRunner
 from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 from tests.model_fixtures import default_gguf_path, default_model_dir, default_tokenizer  # noqa: F401
@@ -106,7 +106,7 @@ def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_r
 
 
 def test_generate_command_answers_paris(default_model_dir, monkeypatch, capsys):  # noqa: F811
-    from pagoda.api.cli import main
+    from pagoda.cli.main import main
 
     monkeypatch.setenv("PAGODA_HOME", str(default_model_dir.parent.parent))  # the fixture's imported model
     assert main(["generate", "What is the capital of France?", "--device", "cpu"]) == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.core.model.config import named_config
-from pagoda.core.model.llama import (
+from pagoda.model.config import named_config
+from pagoda.model.llama import (
     MKL_PADDED,
     ONEDNN,
     ONEDNN_PACKED,

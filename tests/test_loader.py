@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.core.model.config import ModelConfig, ModelConfigError
-from pagoda.core.model.loader import checkpoint_files, load_model, resolve_dtype
+from pagoda.model.config import ModelConfig, ModelConfigError
+from pagoda.model.loader import checkpoint_files, load_model, resolve_dtype
 from tests.test_llama import empty_caches, paged_step
 
 transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     model, config = assert_logits_match_hf(hf, d)
     assert config.rope_scaling is not None and config.rope_scaling.factor == 4.0 and config.tie_word_embeddings
     inv_freq = hf.model.rotary_emb.inv_freq
-    from pagoda.core.model.llama import rope_inv_freq
+    from pagoda.model.llama import rope_inv_freq
 
     ours = rope_inv_freq(config)
     plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)

@@ -5,9 +5,10 @@ from importlib import metadata
 
 import pytest
 
-from pagoda.api.cli import main as cli_main
+from pagoda.cli.main import main as cli_main
 from pagoda.plugins import hookimpl
-from pagoda.plugins.disconnect import AbortOnDisconnect, DisconnectPolicy
+from pagoda.plugins.builtin.disconnect_abort import AbortOnDisconnect
+from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.manager import (
     BUILTIN_PLUGINS,
     PluginError,
@@ -28,9 +29,9 @@ def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():
     policies = collect_disconnect_policies(pm)
     assert sorted(policies) == ["abort", "finish"] and isinstance(policies["abort"], AbortOnDisconnect)
     infos = {i.name: i for i in describe_plugins(pm)}
-    assert infos["pagoda.plugins.openai_chat"].origin == "built-in"
-    assert infos["pagoda.plugins.openai_chat"].hooks == ("pagoda_register_protocols",)
-    assert infos["pagoda.plugins.openai_chat"].provides == ("POST /v1/chat/completions (openai-chat)",)
+    assert infos["pagoda.plugins.builtin.openai_chat"].origin == "built-in"
+    assert infos["pagoda.plugins.builtin.openai_chat"].hooks == ("pagoda_register_protocols",)
+    assert infos["pagoda.plugins.builtin.openai_chat"].provides == ("POST /v1/chat/completions (openai-chat)",)
 
 
 def test_the_example_plugin_is_installed_and_loaded_through_its_entry_point():
@@ -111,7 +112,7 @@ def test_the_plugins_command_lists_plugins_hooks_and_origins(capsys, monkeypatch
     assert cli_main(["plugins", "--json"]) == 0
     listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
     assert set(listed) == set(BUILTIN_PLUGINS) | {"ollama"}
-    assert listed["pagoda.plugins.disconnect"]["provides"] == ["disconnect policy 'abort'"]
+    assert listed["pagoda.plugins.builtin.disconnect_abort"]["provides"] == ["disconnect policy 'abort'"]
     assert listed["ollama"]["origin"].startswith("pagoda-ollama ")
     assert cli_main(["plugins"]) == 0
     text = capsys.readouterr().out

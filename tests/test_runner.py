@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
-from pagoda.core.model.config import named_config
-from pagoda.core.model.llama import build_model
-from pagoda.core.model.runner import TorchModelRunner, auto_num_blocks, kv_cache_bytes_per_block
+from pagoda.model.config import named_config
+from pagoda.model.llama import build_model
+from pagoda.model.runner import TorchModelRunner, auto_num_blocks, kv_cache_bytes_per_block
 from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 

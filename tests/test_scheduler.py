@@ -1,7 +1,7 @@
 import pytest
 
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import ContextLengthExceeded, KVCacheExhausted, Scheduler

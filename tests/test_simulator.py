@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pagoda.api.cli import main
+from pagoda.cli.main import main
 from pagoda.core.block_manager import BlockManager
 from pagoda.simulator.crowd import ClientPlan, crowd_from_json, crowd_to_json, mixed_crowd
 from pagoda.simulator.simulate import simulate

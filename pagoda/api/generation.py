@@ -37,12 +37,12 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp, Guard, Receive, Scope, Send
 
 from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
-from pagoda.api.disconnect import SEND_STALL, ClientGone, ClientWatch, end_job
+from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
 from pagoda.api.errors import ENDPOINT_OPT, api_error, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.core.async_engine import AsyncEngine
-from pagoda.core.engine import RequestOutput
+from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.protocol import Call, Completion, Endpoint, ServeContext
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from pagoda.api.disconnect import CLIENT_DISCONNECT, SEND_STALL, ClientGone
+from pagoda.api.client_watch import CLIENT_DISCONNECT, SEND_STALL, ClientGone
 from pagoda.plugins.protocol import Event
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]

@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.core.engine import Engine, RequestOutput
+from pagoda.core.engine import Engine
+from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 

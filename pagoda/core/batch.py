@@ -1,4 +1,4 @@
-"""What the scheduler hands the model runner for one step.
+"""The hand-offs of one step: what the scheduler gives the model runner, and what the runner returns.
 
 A step is a flat list of chunks, one per scheduled request: `num_tokens`
 consecutive tokens of the request starting at position `start` (the tokens
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, Protocol
 
 from pagoda.core.request import Request
 
@@ -54,3 +55,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    # float32 tensor [len(batch.sample_chunks), vocab_size]: the logits at the
+    # last position of every chunk that samples, in `sample_chunks` order.
+    logits: Any
+
+
+class ModelRunner(Protocol):
+    """What computes logits: the torch model runner and the simulator's fake model both implement it."""
+
+    vocab_size: int
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        """Run one forward over the batch: write its new KV, return logits for the sampling chunks."""
+        ...

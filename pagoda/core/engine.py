@@ -12,32 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.core.batch import SchedulerOutput
+from pagoda.core.batch import ModelRunner, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.config import EngineConfig
-from pagoda.core.model_runner import ModelRunner
+from pagoda.core.engine_config import EngineConfig
+from pagoda.core.outputs import RequestOutput, SampledToken
 from pagoda.core.request import FinishReason, Request
-from pagoda.core.sampler import SampledToken, Sampler
+from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler
 
 logger = logging.getLogger("pagoda.engine")
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    stop_reason: str | int | None = None  # the stop string or stop token id that matched
-    logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
-    error: str | None = None
 
 
 @dataclass

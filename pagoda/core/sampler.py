@@ -11,18 +11,11 @@ processed on its own 1-D tensor so no reduction is shaped by the batch.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
+from pagoda.core.outputs import SampledToken
 from pagoda.core.request import Request
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # of the chosen token under the model's distribution
-    top_logprobs: tuple[tuple[int, float], ...] | None = None  # the k most likely tokens
 
 
 class Sampler:

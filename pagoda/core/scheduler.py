@@ -24,7 +24,7 @@ from collections import deque
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import Request, RequestStatus
 
 

@@ -1,6 +1,6 @@
-"""What happens to a request whose client went away, and the built-in answer: abort it.
+"""The plugin type for what happens to a request whose client went away.
 
-The server finds out that a client is gone (pagoda.api.disconnect: the
+The server finds out that a client is gone (pagoda.api.client_watch: the
 connection closed, a write failed, or a stream made no write progress for the
 stall deadline) and hands the request's still-running job to the policy that
 `pagoda serve --disconnect-policy NAME` chose. The job is the asyncio task
@@ -9,16 +9,14 @@ request (in `AsyncEngine.generate`'s `finally`).
 
 A policy can only choose *when* the work ends, never to leave it running:
 whatever the job is still doing when `client_gone` returns is cancelled by the
-server. "abort" (the default) cancels at once; "finish"
-(pagoda.plugins.disconnect_finish) waits for the generation to complete.
+server. The built-in policies: "abort" (the default, pagoda.plugins.builtin.disconnect_abort)
+cancels at once; "finish" (pagoda.plugins.builtin.disconnect_finish) waits for the generation to complete.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, ClassVar
-
-from pagoda.plugins.hookspecs import hookimpl
 
 
 class DisconnectPolicy:
@@ -38,22 +36,3 @@ class DisconnectPolicy:
 
         When this returns, the server cancels what is left of the job; the default returns at once.
         """
-
-
-class AbortOnDisconnect(DisconnectPolicy):
-    """Cancel the generation and wait until the cancellation has been delivered."""
-
-    name = "abort"
-
-    async def client_gone(self, job: asyncio.Future[Any], reason: str) -> None:
-        job.cancel()
-        # The abort runs inside the job when the cancellation is delivered; wait for it, and
-        # swallow the job's own outcome (there is nobody to tell).
-        await asyncio.wait([job])
-        if not job.cancelled():
-            job.exception()
-
-
-@hookimpl
-def pagoda_register_disconnect_policies(register):
-    register(AbortOnDisconnect())

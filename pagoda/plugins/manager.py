@@ -32,12 +32,12 @@ from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.protocol import Endpoint
 
 BUILTIN_PLUGINS = (
-    "pagoda.plugins.openai_completions",
-    "pagoda.plugins.openai_chat",
-    "pagoda.plugins.openai_responses",
-    "pagoda.plugins.anthropic_messages",
-    "pagoda.plugins.disconnect",
-    "pagoda.plugins.disconnect_finish",
+    "pagoda.plugins.builtin.openai_completions",
+    "pagoda.plugins.builtin.openai_chat",
+    "pagoda.plugins.builtin.openai_responses",
+    "pagoda.plugins.builtin.anthropic_messages",
+    "pagoda.plugins.builtin.disconnect_abort",
+    "pagoda.plugins.builtin.disconnect_finish",
 )
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"

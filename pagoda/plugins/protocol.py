@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pagoda.core.engine import RequestOutput
+from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
-from pagoda.core.sampler import SampledToken
+from pagoda.core.outputs import SampledToken
 from pagoda.core.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from pagoda.core.batch import SchedulerOutput
-from pagoda.core.model_runner import RunnerOutput
+from pagoda.core.batch import RunnerOutput
 
 EOS_TOKEN_ID = 0
 

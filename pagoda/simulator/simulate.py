@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pagoda.core.block_manager import AuditError
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
 from pagoda.core.request import FinishReason
 from pagoda.core.scheduler import AdmissionError

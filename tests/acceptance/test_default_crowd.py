@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from pagoda.api.acceptance import check_answers, check_pool_returned, check_survivors, default_model_crowd, run_crowd, run_solo
-from pagoda.api.live_server import live_server
+from pagoda.harness.acceptance import check_answers, check_pool_returned, check_survivors, default_model_crowd, run_crowd, run_solo
+from pagoda.harness.live_server import live_server
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from pagoda.api.acceptance import (
+from pagoda.harness.acceptance import (
     check_answers,
     check_pool_returned,
     check_prediction,
@@ -21,8 +21,8 @@ from pagoda.api.acceptance import (
     tiny_crowd,
     with_hangups,
 )
-from pagoda.api.live_server import live_server
-from pagoda.core.config import EngineConfig
+from pagoda.harness.live_server import live_server
+from pagoda.core.engine_config import EngineConfig
 
 TINY_POOL = EngineConfig(num_blocks=8, block_size=16, max_running=3, max_batched_tokens=256, max_model_len=1024)
 

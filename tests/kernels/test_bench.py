@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pagoda.kernels import bench
+from pagoda.bench import kernels as bench
 
 
 def test_quick_cpu_bench_prints_tables_and_writes_json(tmp_path, capsys):

@@ -8,7 +8,7 @@ behind and whether each client got exactly the tokens it would get alone.
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.crowd import ClientPlan
 from pagoda.simulator.simulate import SimulationConfig, simulate
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
-from pagoda.core.model.config import NAMED_CONFIGS, named_config
-from pagoda.core.model.llama import build_model
-from pagoda.core.model.runner import TorchModelRunner
+from pagoda.model.config import NAMED_CONFIGS, named_config
+from pagoda.model.llama import build_model
+from pagoda.model.runner import TorchModelRunner
 from pagoda.core.sampling_params import SamplingParams
 
 
@@ -135,10 +135,10 @@ def render(rows: list[tuple[str, str, str]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pagoda.core.model.hub import resolve_model
-    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.model.hub import resolve_model
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
     from pagoda.kernels import select_backend
-    from pagoda.kernels.bench import measure_copy_bandwidth
+    from pagoda.bench.kernels import measure_copy_bandwidth
 
     p = argparse.ArgumentParser(prog="pagoda bench offline", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default",

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from pagoda.core.engine import RequestOutput
+from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
-from pagoda.plugins import openai_common as oc
+from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
     ApiError,

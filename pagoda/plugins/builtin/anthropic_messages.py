@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pagoda.core.engine import RequestOutput
+from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from pagoda.api.app import create_app
-from pagoda.api.model_loading import EngineOptions, build_engine
+from pagoda.model.factory import EngineOptions, build_engine
 from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine

@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="An LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"pagoda.api.commands.{name}").register(sub)
+        importlib.import_module(f"pagoda.cli.{name}").register(sub)
     return parser
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 
 from pagoda.core.request import FinishReason
-from pagoda.core.sampler import SampledToken
+from pagoda.core.outputs import SampledToken
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.protocol import ApiError, Call, RequestError
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pagoda.core.model.gguf_vocab import build_tokenizer_files
+from pagoda.model.gguf_vocab import build_tokenizer_files
 
 # Bump when the written directory changes, so older cached imports are redone.
 IMPORT_FORMAT_VERSION = 1

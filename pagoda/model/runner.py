@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from pagoda.core.batch import SchedulerOutput
-from pagoda.core.model.config import ModelConfig
-from pagoda.core.model.llama import StepContext, Transformer
-from pagoda.core.model_runner import RunnerOutput
+from pagoda.model.config import ModelConfig
+from pagoda.model.llama import StepContext, Transformer
+from pagoda.core.batch import RunnerOutput
 from pagoda.kernels import AttentionBackend, AttentionMetadata, select_backend
 
 @dataclass

@@ -11,9 +11,9 @@ import argparse
 import asyncio
 import json
 
-from pagoda.api.acceptance import check_answers, check_pool_returned, default_model_crowd, run_crowd, run_solo
-from pagoda.api.live_server import live_server
-from pagoda.core.model.hub import resolve_model
+from pagoda.harness.acceptance import check_answers, check_pool_returned, default_model_crowd, run_crowd, run_solo
+from pagoda.harness.live_server import live_server
+from pagoda.model.hub import resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     args = p.parse_args(argv)
 
-    from pagoda.api.live_server import live_server
+    from pagoda.harness.live_server import live_server
 
     options = dict(device=args.device, dtype=args.dtype, num_blocks=args.num_blocks)
     with live_server(args.model, "default", environ={"PAGODA_PLUGINS": "none"}, **options) as live:

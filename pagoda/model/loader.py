@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagoda.core.model.config import ModelConfig
-from pagoda.core.model.llama import Transformer, build_model
+from pagoda.model.config import ModelConfig
+from pagoda.model.llama import Transformer, build_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pagoda.api.crowd_client import ClientOutcome, run_client
-from pagoda.core.config import EngineConfig
+from pagoda.harness.crowd_client import ClientOutcome, run_client
+from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.clock import CostModel
 from pagoda.simulator.crowd import ClientPlan
 from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate

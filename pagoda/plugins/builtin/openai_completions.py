@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagoda.core.engine import RequestOutput
-from pagoda.plugins import openai_common as oc
+from pagoda.core.outputs import RequestOutput
+from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import (
     ApiError,

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.crowd import crowd_to_json, load_crowd, mixed_crowd
 from pagoda.simulator.simulate import SimulationConfig, simulate
 

@@ -69,7 +69,7 @@ def resolve_model(name_or_path: str, *, home: Path | None = None, progress: bool
 
 def ensure_imported(model: EmbeddedModel, models_dir: Path, *, progress: bool = True) -> Path:
     """`models_dir/<name>`, importing the embedded GGUF there first unless already done."""
-    from pagoda.core.model.gguf_import import import_gguf, is_complete_import
+    from pagoda.model.gguf_import import import_gguf, is_complete_import
 
     out_dir = models_dir / model.name
     if is_complete_import(out_dir):

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.core.config import EngineConfig
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
 from pagoda.core.tokenizer import Tokenizer
 
@@ -39,10 +39,10 @@ class EngineOptions:
 
 def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engine, Tokenizer, Path]:
     """Load the model directory and make an Engine over it; returns (engine, tokenizer, model_dir)."""
-    from pagoda.core.model.config import ModelConfig
-    from pagoda.core.model.hub import resolve_model
-    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
-    from pagoda.core.model.runner import TorchModelRunner, auto_num_blocks
+    from pagoda.model.config import ModelConfig
+    from pagoda.model.hub import resolve_model
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.model.runner import TorchModelRunner, auto_num_blocks
 
     model_dir = resolve_model(options.model, progress=progress)
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagoda.core.model.config import ModelConfig
+from pagoda.model.config import ModelConfig
 
 
 @dataclass

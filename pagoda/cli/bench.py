@@ -7,11 +7,11 @@ import importlib
 
 # name -> module with `main(argv) -> int`
 BENCHMARKS = {
-    "scheduler": "pagoda.simulator.bench",
-    "kernels": "pagoda.kernels.bench",
-    "offline": "pagoda.core.model.bench",
-    "disconnect": "pagoda.api.bench_disconnect",
-    "crowd": "pagoda.api.bench_crowd",
+    "scheduler": "pagoda.bench.scheduler",
+    "kernels": "pagoda.bench.kernels",
+    "offline": "pagoda.bench.offline",
+    "disconnect": "pagoda.bench.disconnect",
+    "crowd": "pagoda.bench.crowd",
 }
 
 

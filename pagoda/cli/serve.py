@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pagoda.api.app import create_app
-    from pagoda.api.model_loading import EngineOptions, build_engine
+    from pagoda.model.factory import EngineOptions, build_engine
     from pagoda.api.server import run_server
     from pagoda.api.settings import ServeSettings
     from pagoda.core.async_engine import AsyncEngine

@@ -56,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace, params):
     """Load the model and tokenizer; an Engine whose pool holds exactly this one request."""
-    from pagoda.core.config import EngineConfig
+    from pagoda.core.engine_config import EngineConfig
     from pagoda.core.engine import Engine
-    from pagoda.core.model.hub import resolve_model
-    from pagoda.core.model.loader import load_model, resolve_device, resolve_dtype
-    from pagoda.core.model.runner import TorchModelRunner
+    from pagoda.model.hub import resolve_model
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.model.runner import TorchModelRunner
     from pagoda.core.tokenizer import Tokenizer
 
     model_dir = resolve_model(args.model)

@@ -1,1 +1,0 @@
-"""Model weights and where they come from (the embedded default, local Hugging Face directories)."""
