@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.engine import Engine
+from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.config import named_config
+from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
 from pagoda.model.runner import TorchModelRunner
-from pagoda.core.sampling_params import SamplingParams
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -42,10 +42,10 @@ class RecordingRunner:
 
 def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16):
     """Run jobs [(rid, prompt, params)] to completion; returns ({rid: tokens}, {rid: Request}, engine)."""
-    runner = RecordingRunner(TorchModelRunner(model, num_blocks=num_blocks, block_size=block_size))
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
                           max_batched_tokens=max_batched_tokens, max_model_len=512)
-    engine = Engine(runner, config, eos_token_ids=model.config.eos_token_ids)
+    engine = make_engine(model, config, eos_token_ids=model.config.eos_token_ids)
+    engine.runner = RecordingRunner(engine.runner)
     requests = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in jobs}
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
     while engine.has_unfinished():

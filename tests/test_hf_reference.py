@@ -14,11 +14,10 @@ import torch
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.engine import Engine
-from pagoda.model.loader import load_model
-from pagoda.model.runner import TorchModelRunner
 from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
+from pagoda.model.factory import make_engine
+from pagoda.model.loader import load_model
 from tests.model_fixtures import default_gguf_path, default_model_dir, default_tokenizer  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -42,9 +41,11 @@ def hf_model(default_gguf_path):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def pagoda_runner(default_model_dir):  # noqa: F811
+def pagoda_engine(default_model_dir):  # noqa: F811
+    """One engine for the module; the prompt-logits helper drives its runner directly while it is idle."""
     model, _ = load_model(default_model_dir, "float32", "cpu", max_positions=1024)
-    return TorchModelRunner(model, num_blocks=256, block_size=16)
+    config = EngineConfig(num_blocks=256, block_size=16, max_running=8, max_batched_tokens=256, max_model_len=1024)
+    return make_engine(model, config, eos_token_ids=(2,))
 
 
 def pagoda_prompt_logits(runner, ids):
@@ -57,11 +58,8 @@ def pagoda_prompt_logits(runner, ids):
         return runner.model.compute_logits(hidden[: len(ids)])
 
 
-def pagoda_greedy(runner, prompts, max_tokens):
-    """Greedy outputs of all prompts, run together through the engine."""
-    config = EngineConfig(num_blocks=runner.num_blocks, block_size=runner.block_size, max_running=8,
-                          max_batched_tokens=256, max_model_len=1024)
-    engine = Engine(runner, config, eos_token_ids=(2,))
+def pagoda_greedy(engine, prompts, max_tokens):
+    """Greedy outputs of all prompts, run together through the (idle) engine."""
     out = {}
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0))
@@ -79,27 +77,27 @@ def hf_greedy(hf_model, ids, max_tokens):
     return out[0, len(ids):].tolist()
 
 
-def test_capital_of_france_matches_transformers(hf_model, pagoda_runner, default_tokenizer):  # noqa: F811
+def test_capital_of_france_matches_transformers(hf_model, pagoda_engine, default_tokenizer):  # noqa: F811
     ids = default_tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert len(ids) == 37 and ids[:10] == [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]
-    ours = pagoda_prompt_logits(pagoda_runner, ids)
+    ours = pagoda_prompt_logits(pagoda_engine.runner, ids)
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0]
     assert ours.shape == theirs.shape == (37, 49152)
     assert (ours - theirs).abs().max().item() <= LOGITS_ATOL
-    (tokens,) = pagoda_greedy(pagoda_runner, [ids], 16)
+    (tokens,) = pagoda_greedy(pagoda_engine, [ids], 16)
     assert tokens == hf_greedy(hf_model, ids, 16)
     assert default_tokenizer.decode(tokens, skip_special_tokens=False) == "The capital of France is Paris.<|im_end|>"
 
 
 @pytest.mark.slow
-def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_runner, default_tokenizer):  # noqa: F811
+def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_engine, default_tokenizer):  # noqa: F811
     prompts = [default_tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    ours = pagoda_greedy(pagoda_runner, prompts, 32)
+    ours = pagoda_greedy(pagoda_engine, prompts, 32)
     for ids, tokens in zip(prompts, ours):
         assert len(tokens) == 32  # each answer is long enough to compare 32 tokens
         assert tokens == hf_greedy(hf_model, ids, 32)
-        logits = pagoda_prompt_logits(pagoda_runner, ids)
+        logits = pagoda_prompt_logits(pagoda_engine.runner, ids)
         with torch.no_grad():
             theirs = hf_model(torch.tensor([ids])).logits[0]
         assert (logits - theirs).abs().max().item() <= LOGITS_ATOL

@@ -6,19 +6,9 @@ import pytest
 import torch
 
 from pagoda.model.config import named_config
-from pagoda.model.llama import (
-    MKL_PADDED,
-    ONEDNN,
-    ONEDNN_PACKED,
-    PLAIN,
-    StepContext,
-    apply_rope,
-    build_model,
-    rope_inv_freq,
-    rope_tables,
-    select_matmul,
-)
-from pagoda.kernels import AttentionMetadata, select_backend
+from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_freq, rope_tables
+from pagoda.model.matmul import MKL_PADDED, ONEDNN, ONEDNN_PACKED, PLAIN, select_matmul
+from pagoda.kernels import AttentionMetadata, allocate_kv_cache, select_backend
 
 BLOCK_SIZE = 4
 
@@ -32,7 +22,7 @@ def tiny_model(seed=0, **overrides):
 def empty_caches(model, num_blocks=64):
     c = model.config
     shape = (num_blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_hidden_layers)]
+    return [allocate_kv_cache(*shape) for _ in range(c.num_hidden_layers)]
 
 
 def paged_step(model, caches, seqs, pad_to=None):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
+from pagoda.core.engine_config import EngineConfig
+from pagoda.core.request import Request
+from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.config import named_config
 from pagoda.model.llama import build_model
 from pagoda.model.runner import TorchModelRunner, auto_num_blocks, kv_cache_bytes_per_block
-from pagoda.core.request import Request
-from pagoda.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -18,7 +19,7 @@ NUM_BLOCKS = 48
 def make_runner(seed=0, **kw):
     model = build_model(named_config("tiny"), max_positions=256)
     model.init_random_weights(seed=seed, std=0.1)
-    return TorchModelRunner(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, **kw)
+    return TorchModelRunner(model, EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE), **kw)
 
 
 def request(rid, tokens):
@@ -117,3 +118,16 @@ def test_runner_packs_the_weights_for_its_matmul_kernel():
     packs = runner.model.matmul.pack is not None
     assert (runner.model.lm_head_packed.packed is not None) == packs
     assert (runner.model.model.layers[0].self_attn.qkv_proj.packed.packed is not None) == packs
+
+
+def test_make_engine_sizes_the_cache_and_the_pool_from_one_config():
+    from pagoda.model.factory import make_engine
+
+    model = build_model(named_config("tiny"), max_positions=256)
+    model.init_random_weights(seed=0, std=0.1)
+    engine = make_engine(model, EngineConfig(num_blocks=12, block_size=8, max_model_len=64))
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert k_cache.shape[:2] == v_cache.shape[:2] == (12, 8) and engine.block_manager.num_blocks == 12
+    engine.add_request("a", prompt(7, 10), SamplingParams(max_tokens=3, temperature=0))
+    assert sum(len(o.new_token_ids) for o in engine.run()) == 3
+    engine.audit()

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
-from pagoda.model.config import NAMED_CONFIGS, named_config
-from pagoda.model.llama import build_model
-from pagoda.model.runner import TorchModelRunner
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.sampling_params import SamplingParams
+from pagoda.model.config import NAMED_CONFIGS, named_config
+from pagoda.model.factory import make_engine
+from pagoda.model.llama import build_model
 
 
 @dataclass
@@ -51,19 +51,17 @@ def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed
     return [torch.randint(first_id, vocab_size, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(num_prompts)]
 
 
-def make_engine(model, num_prompts: int, max_len: int, *, backend=None, block_size: int = 16,
-                max_batched_tokens: int = 2048) -> Engine:
-    """An engine whose pool holds every prompt at full length (no preemption in a benchmark)."""
+def bench_config(num_prompts: int, max_len: int, *, block_size: int = EngineConfig.block_size,
+                 max_batched_tokens: int = 2048) -> EngineConfig:
+    """A pool that holds every prompt at full length (no preemption in a benchmark)."""
     num_blocks = num_prompts * -(-max_len // block_size) + 1
-    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=block_size, backend=backend)
-    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max(num_prompts, 1),
-                          max_batched_tokens=max_batched_tokens, max_model_len=max_len)
-    return Engine(runner, config)
+    return EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max(num_prompts, 1),
+                        max_batched_tokens=max_batched_tokens, max_model_len=max_len)
 
 
 def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None) -> Result:
     """All prompts added at once, stepped until done: generated tokens / wall seconds."""
-    engine = make_engine(model, len(prompts), max(map(len, prompts)) + max_tokens, backend=backend)
+    engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens), backend=backend)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompts[0], params)
     start = time.perf_counter()
@@ -75,7 +73,7 @@ def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: st
 
 def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None) -> Result:
     """One request: decode steps only, tokens per second from the median step time."""
-    engine = make_engine(model, 1, len(prompt) + max_tokens, backend=backend)
+    engine = make_engine(model, bench_config(1, len(prompt) + max_tokens), backend=backend)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompt, params)
     engine.add_request("solo", prompt, params)

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from pagoda.core.engine_config import EngineConfig
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt on the local model")
@@ -19,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.set_defaults(func=run)
 
 
@@ -56,12 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace, params):
     """Load the model and tokenizer; an Engine whose pool holds exactly this one request."""
-    from pagoda.core.engine_config import EngineConfig
-    from pagoda.core.engine import Engine
-    from pagoda.model.hub import resolve_model
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
-    from pagoda.model.runner import TorchModelRunner
     from pagoda.core.tokenizer import Tokenizer
+    from pagoda.model.config import ModelConfig
+    from pagoda.model.factory import EngineOptions, load_engine
+    from pagoda.model.hub import resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -73,19 +73,16 @@ def _build(args: argparse.Namespace, params):
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     total = len(prompt_ids) + params.max_tokens
-    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=total)
-    if total > model_config.max_position_embeddings:
+    context = ModelConfig.from_file(model_dir).max_position_embeddings
+    if total > context:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                         f"context of {model_config.max_position_embeddings} tokens")
-    num_blocks = -(-total // args.block_size)
-    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=args.block_size)
-    config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_running=1,
-                          max_batched_tokens=max(512, args.block_size), max_model_len=total)
-    eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
-    return Engine(runner, config, eos_token_ids=eos, tokenizer=tokenizer), tokenizer, prompt_ids
+                         f"context of {context} tokens")
+    options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, block_size=args.block_size,
+                            num_blocks=-(-total // args.block_size), max_running=1,
+                            max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
+                            max_model_len=total)
+    return load_engine(model_dir, tokenizer, options), tokenizer, prompt_ids
 
 
 def _report(num_tokens: int, num_prompt: int, start: float, first: float, end: float) -> None:

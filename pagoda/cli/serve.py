@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from pagoda.core.engine_config import EngineConfig
+
 API_KEY_ENV = "PAGODA_API_KEY"
 
 
@@ -17,10 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = let the system pick a free port (printed)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
-    p.add_argument("--max-running", type=int, default=64, help="requests in one step")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="new tokens in one step")
+    p.add_argument("--max-running", type=int, default=EngineConfig.max_running, help="requests in one step")
+    p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
+                   help="new tokens in one step")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--disconnect-policy", default="abort", help="what to do with a request whose client left")

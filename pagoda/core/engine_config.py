@@ -1,4 +1,9 @@
-"""Engine configuration: the pool, the batch limits and the context length."""
+"""Engine configuration: the pool, the batch limits and the context length.
+
+The field defaults are the project's defaults, written here only: `EngineOptions`
+(`pagoda/model/factory.py`) and the command line read them as `EngineConfig.block_size` etc.
+The model runner sizes its KV cache from the same config the scheduler's pool follows.
+"""
 
 from __future__ import annotations
 

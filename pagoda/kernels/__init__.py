@@ -2,7 +2,7 @@
 
 Backends:
 - "triton": Triton kernels, the default on CUDA (triton_decode.py, triton_prefill.py).
-- "cpu": vectorized torch, bitwise batch invariant, the default on the CPU (cpu_attention.py).
+- "cpu": vectorized torch, bitwise batch invariant, the default on the CPU (cpu_plan.py, cpu_attention.py).
 - "cpu_sdpa": torch SDPA on the CPU, faster on long prefills but not batch invariant (cpu_sdpa.py).
 - "reference": plain per-sequence float64 attention, the oracle for tests (reference.py).
 """

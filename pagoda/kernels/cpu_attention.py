@@ -1,4 +1,4 @@
-"""Batch-invariant paged attention for the CPU, in vectorized torch.
+"""Batch-invariant paged attention for the CPU, in vectorized torch: the fold over key chunks.
 
 Design note. A query row (sequence, position) must get the same bits whether
 it is decoded alone, decoded beside other sequences, or recomputed inside a
@@ -26,131 +26,23 @@ the arithmetic done for one row depends only on that row's query and context:
   torch.exp is used, not the faster exp2, whose vector and scalar-tail code
   disagree in the last bit on this build.
 
-Work is grouped for speed only: decodes of similar length share one set of
-ops, and a prefill chunk is folded a few hundred rows at a time, each step
-reading only the tiles up to its last position. The grouping never changes the
-bits, which is why it can follow a memory budget. Everything that depends only
-on the step's metadata (groups, cache blocks to read, masks) is an
-`AttentionPlan`, built once per step and reused by every layer. The tests check
-all of this with torch.equal, with several chunks per context.
+Which rows are folded together, and which blocks each group reads, is the
+step's `AttentionPlan` (`cpu_plan.py`, where the sizes above are set): the
+grouping is for speed only and never changes the bits. The tests check all of
+this with torch.equal, with several chunks per context.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from pagoda.kernels.kv_cache import write_kv
+from pagoda.kernels.cpu_plan import TILE, AttentionPlan, KeyChunk, RowSet, round_up
+from pagoda.kernels.kv_cache import gather_blocks, write_kv
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.workspace import Workspace
 
-TILE = 64  # key positions per tile: the fixed reduction length of every P @ V product
-CHUNK = 1024  # key positions per chunk (rounded up to whole tiles and blocks): the online-softmax step
-ROW_MULTIPLE = 4  # matmul row counts are padded to a multiple of this (MKL rounds 1-3 row pieces apart)
-MIN_COLS = 16  # and column counts to at least this
-# elements per step in the score tensor and in the gathered K (and V) chunk: working sets of a
-# few MB stay in cache and are reused, instead of page-faulting fresh memory every call
-SCORE_BUDGET = 1 << 20
-KV_BUDGET = 1 << 20
-
-
-@dataclass
-class KeyChunk:
-    """Key positions [start, start + length) of N sequences, read as whole cache blocks."""
-
-    start: int
-    length: int  # whole tiles and blocks
-    blocks: Tensor  # [N * length // block_size] int64 cache blocks, sequence by sequence
-    # slots at or past a sequence's end (None if there are none), which hold other data or nothing (NaN):
-    past_end: Tensor | None  # [P] int64 indices into the chunk's N * length slots, zeroed after the read
-    end_bias: Tensor | None  # [N, 1, length] float32: -inf at those slots, 0 elsewhere (a decode's mask)
-
-
-@dataclass
-class RowSet:
-    """Query rows folded together: decodes of similar length (rows = G heads each), or one chunk."""
-
-    seqs: list[int]
-    tokens: Tensor | slice  # the rows' tokens in the flat token axis (a slice when contiguous)
-    num_tokens: int  # per sequence: 1 for decodes, the chunk's length otherwise
-    rows: int  # per sequence: num_tokens * G padded to ROW_MULTIPLE
-    row_pos: Tensor  # [N, rows] int64 position of each row; padded rows repeat the last one
-    last_pos: list[int]  # per step of `step` rows: the largest position in it
-    step: int
-    chunks: list[KeyChunk]
-
-
-@dataclass
-class AttentionPlan:
-    """What a step's attention reads, from its metadata alone: built once, used by every layer."""
-
-    meta: AttentionMetadata
-    key: tuple  # cache geometry and module constants the plan was built for
-    row_sets: list[RowSet]
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> AttentionPlan:
-        """Group the step's sequences and list the blocks each group reads."""
-        unit = math.lcm(TILE, block_size)  # key spans are whole tiles and whole blocks
-        chunk = _round_up(CHUNK, unit)
-        starts, seq_lens = meta.query_starts_cpu, meta.seq_lens_cpu
-        decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
-        # per key of a chunk, a decode holds KVH * rows scores and KVH * D gathered values of K (and V)
-        rows = _round_up(group, ROW_MULTIPLE)
-        max_keys = min(SCORE_BUDGET // (num_kv_heads * rows), KV_BUDGET // (num_kv_heads * dim))
-        row_sets = []
-        for seqs in _decode_groups(decodes, seq_lens, chunk, max_keys):
-            lens = [seq_lens[b] for b in seqs]
-            tokens = [starts[b] for b in seqs]
-            contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
-            row_pos = (torch.tensor(lens, dtype=torch.int64)[:, None] - 1).expand(len(seqs), rows)
-            row_sets.append(RowSet(
-                seqs, slice(tokens[0], tokens[0] + len(tokens)) if contiguous else torch.tensor(tokens),
-                1, rows, row_pos, [max(lens) - 1], rows, _key_chunks(meta, seqs, lens, chunk, block_size, unit),
-            ))  # fmt: skip
-        for b, qlen in enumerate(meta.query_lens_cpu):
-            if qlen == 1:
-                continue
-            seq_len = seq_lens[b]
-            rows = _round_up(qlen * group, ROW_MULTIPLE)
-            pos = [min(seq_len - qlen + r // group, seq_len - 1) for r in range(rows)]  # padded rows: the last
-            # rows per step: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
-            step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
-            last = [pos[min(rows, lo + step) - 1] for lo in range(0, rows, step)]
-            row_sets.append(RowSet(
-                [b], slice(starts[b], starts[b] + qlen), qlen, rows, torch.tensor([pos]), last, step,
-                _key_chunks(meta, [b], [seq_len], chunk, block_size, unit),
-            ))  # fmt: skip
-        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets)
-
-    def fits(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> bool:
-        """Whether this plan was built for this step and this geometry."""
-        return self.meta is meta and self.key == _plan_key(block_size, num_kv_heads, group, dim)
-
-
-def _plan_key(*geometry: int) -> tuple:
-    return (*geometry, TILE, CHUNK, ROW_MULTIPLE, MIN_COLS, SCORE_BUDGET, KV_BUDGET)
-
-
-def _key_chunks(meta, seqs, lens, chunk, block_size, unit) -> list[KeyChunk]:
-    """The key chunks N sequences read: positions up to the longest, in whole tiles and blocks."""
-    end = _round_up(max(lens), unit)
-    tables = meta.block_tables[seqs].to(torch.int64)  # [N, max_blocks]
-    lens_t = torch.tensor(lens)
-    chunks = []
-    for start in range(0, end, chunk):
-        length = min(chunk, end - start)
-        cols = torch.arange(start // block_size, (start + length) // block_size).clamp(max=tables.shape[1] - 1)
-        past_end = bias = None
-        if min(lens) < start + length:
-            hidden = torch.arange(start, start + length)[None, :] >= lens_t[:, None]  # [N, length]
-            past_end = hidden.flatten().nonzero().flatten()
-            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None, :]
-        chunks.append(KeyChunk(start, length, tables[:, cols].flatten(), past_end, bias))
-    return chunks
+MIN_COLS = 16  # P @ V products get at least this many columns (MKL has a few-column path)
 
 
 def cpu_attention(
@@ -188,21 +80,6 @@ def cpu_attention(
     return out
 
 
-def _decode_groups(decodes: list[int], seq_lens: list[int], chunk: int, max_keys: int) -> list[list[int]]:
-    """Split decode sequences, sorted by length, into groups holding at most max_keys keys per chunk."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for b in sorted(decodes, key=lambda b: seq_lens[b]):
-        keys = min(seq_lens[b], chunk)  # the longest so far, as the list is sorted
-        if current and (len(current) + 1) * keys > max_keys:
-            groups.append(current)
-            current = []
-        current.append(b)
-    if current:
-        groups.append(current)
-    return groups
-
-
 def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
     """q [KVH, N, R, D] (scaled) -> softmax-weighted V [KVH, N, R, D] and its weight sum [KVH, N, R, 1].
 
@@ -213,20 +90,20 @@ def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Wo
     num_kv_heads, n, rows, dim = q.shape
     if len(rs.chunks) == 1 and rs.step >= rows:  # one fold: its result is the answer
         kc = rs.chunks[0]
-        k, v = _gather(k_cache, v_cache, kc, n, ws)
-        keys = min(kc.length, _round_up(rs.last_pos[0] + 1, TILE))
+        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws)
+        keys = min(kc.length, round_up(rs.last_pos[0] + 1, TILE))
         numer, denom, _ = _fold_chunk(q, rs, 0, rows, k[:, :keys], v[:, :keys], kc, ws)
         return numer, denom
     numer = ws.get("numer", (num_kv_heads, n, rows, dim))
     denom = ws.get("denom", (num_kv_heads, n, rows, 1))
     row_max = ws.get("row_max", (num_kv_heads, n, rows, 1))
     for kc in rs.chunks:
-        k, v = _gather(k_cache, v_cache, kc, n, ws)
+        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws)
         for i, lo in enumerate(range(0, rows, rs.step)):
             hi = min(rows, lo + rs.step)
             if rs.last_pos[i] < kc.start:
                 continue  # every row of the step is before this chunk: folding it in is a no-op
-            keys = min(kc.length, _round_up(rs.last_pos[i] + 1 - kc.start, TILE))  # tiles after every row: no-ops
+            keys = min(kc.length, round_up(rs.last_pos[i] + 1 - kc.start, TILE))  # tiles after every row: no-ops
             m = row_max[:, :, lo:hi] if kc.start else None
             c_numer, c_denom, c_max = _fold_chunk(q, rs, lo, hi, k[:, :keys], v[:, :keys], kc, ws, m)
             if kc.start == 0:  # a row's first chunk: every row sees key 0
@@ -241,25 +118,7 @@ def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Wo
     return numer, denom
 
 
-def _gather(k_cache: Tensor, v_cache: Tensor, kc: KeyChunk, n: int, ws: Workspace) -> tuple[Tensor, Tensor]:
-    """Read a key chunk as float32 [N, length, KVH, D], zeroed past each end.
-
-    Zeros keep a masked score finite (so a -inf bias masks it) and 0 * V exactly 0.
-    """
-    gathered = []
-    for name, cache in (("k", k_cache), ("v", v_cache)):
-        # a block is one contiguous run of block_size * KVH * D values: index_select copies it whole
-        raw = ws.get(name + "_raw", (kc.blocks.numel(), *cache.shape[1:]), cache.dtype)
-        torch.index_select(cache, 0, kc.blocks, out=raw)
-        if cache.dtype != torch.float32:
-            raw = ws.get(name, raw.shape).copy_(raw)
-        if kc.past_end is not None:  # whole slots: index_fill_ is far faster than a broadcast mask
-            raw.view(n * kc.length, -1).index_fill_(0, kc.past_end, 0.0)
-        gathered.append(raw.view(n, kc.length, *cache.shape[2:]))
-    return gathered[0], gathered[1]
-
-
-def _fold_chunk(q, rs, lo, hi, k, v, kc, ws, row_max=None) -> tuple[Tensor, Tensor, Tensor]:
+def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None) -> tuple[Tensor, Tensor, Tensor]:
     """Rows lo:hi against the first L keys of chunk kc (k/v [N, L, KVH, D]).
 
     Returns the chunk's (weighted V [KVH, N, r, D], weight sum [KVH, N, r, 1], max [KVH, N, r, 1]),
@@ -309,10 +168,6 @@ def _halving_sum_(x: Tensor, dim: int) -> Tensor:
         x.narrow(dim, 0, count - half).add_(x.narrow(dim, half, count - half))
         count = half
     return x.select(dim, 0)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class CpuBackend:

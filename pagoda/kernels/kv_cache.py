@@ -1,4 +1,4 @@
-"""The paged KV cache layout shared by every attention backend.
+"""The paged KV cache layout shared by every attention backend, and the one way to read it in bulk.
 
 Per layer, K and V are each one tensor [num_blocks, block_size, num_kv_heads, head_dim].
 Token position `p` of a sequence lives in block `block_table[p // block_size]`
@@ -6,6 +6,10 @@ at offset `p % block_size`; its flat slot is `block_id * block_size + offset`.
 A block holds whole positions with all heads side by side, so one slot write
 stores a token's K (or V) for every head, and decode reads a block as one
 contiguous run of block_size * num_kv_heads * head_dim values.
+
+`gather_blocks` is the CPU backends' read: whole blocks copied by one
+`index_select`, the slots past each sequence's end zeroed. `gather_positions`
+is the plain per-sequence read the reference oracle uses.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def allocate_kv_cache(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> tuple[Tensor, Tensor]:
-    """Allocate one layer's (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Allocate one layer's zeroed (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
     for name, value in (
         ("num_blocks", num_blocks),
         ("block_size", block_size),
@@ -33,8 +37,9 @@ def allocate_kv_cache(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    # zeros, not empty: a slot never written then reads as 0, never as what the allocator left there
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -60,6 +65,47 @@ def gather_positions(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache[blocks, pos % block_size]
 
 
+def window_blocks(block_tables: Tensor, start: int, length: int, block_size: int) -> Tensor:
+    """The blocks holding positions [start, start + length) of N sequences: tables [N, W] -> [N * nb] int64.
+
+    `start` is a multiple of block_size, `length` is rounded up to whole blocks; a column past a
+    table's width reads its last entry (those slots are past the sequence's end, zeroed after the read).
+    """
+    first = start // block_size
+    cols = torch.arange(first, first + -(-length // block_size)).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.to(torch.int64)[:, cols].flatten()
+
+
+def slots_past_end(lens: list[int], start: int, length: int) -> Tensor | None:
+    """[N, length] bool, True where position start + j is at or past sequence n's end; None if none is."""
+    if min(lens) >= start + length:
+        return None
+    return torch.arange(start, start + length)[None, :] >= torch.tensor(lens)[:, None]
+
+
+def gather_blocks(
+    k_cache: Tensor, v_cache: Tensor, blocks: Tensor, num_seqs: int, past_end: Tensor | None, workspace: Workspace
+) -> tuple[Tensor, Tensor]:
+    """Read whole blocks [N * nb] as float32 [N, nb * block_size, KVH, D], zeroing the slots `past_end`.
+
+    `past_end` ([P] int64 indices into the N * nb * block_size slots, or None) lists the slots at or
+    past a sequence's end, which hold other data or nothing (NaN, say): zeros keep a masked score
+    finite and 0 * V exactly 0. The results are views of the workspace's buffers, valid until their
+    next use.
+    """
+    gathered = []
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        # a block is one contiguous run of block_size * KVH * D values: index_select copies it whole
+        raw = workspace.get(name + "_raw", (blocks.numel(), *cache.shape[1:]), cache.dtype)
+        torch.index_select(cache, 0, blocks, out=raw)
+        if cache.dtype != torch.float32:
+            raw = workspace.get(name, raw.shape).copy_(raw)
+        if past_end is not None:  # whole slots: index_fill_ is far faster than a broadcast mask
+            raw.view(blocks.numel() * cache.shape[1], -1).index_fill_(0, past_end, 0.0)
+        gathered.append(raw.view(num_seqs, -1, *cache.shape[2:]))
+    return gathered[0], gathered[1]
+
+
 def gather_contexts(
     k_cache: Tensor,
     v_cache: Tensor,
@@ -74,27 +120,12 @@ def gather_contexts(
     `start` must be a multiple of the block size. With a workspace the results are views of its
     buffers, valid until their next use.
     """
-    ws = workspace or Workspace()
-    num_seqs, block_size = len(lens), k_cache.shape[1]
+    block_size = k_cache.shape[1]
     if start % block_size:
         raise ValueError(f"start must be a multiple of the block size {block_size}, got {start}")
-    num_blocks = -(-length // block_size)
-    cols = torch.arange(start // block_size, start // block_size + num_blocks)
-    cols = cols.clamp(max=block_tables.shape[1] - 1)  # past the table: zeroed below
-    blocks = block_tables.to(torch.int64)[:, cols].flatten()  # [N * nb]
-    gathered = []
-    for name, cache in (("k", k_cache), ("v", v_cache)):
-        # a block is one contiguous run of block_size * KVH * D values: index_select copies it whole
-        raw = ws.get(name + "_raw", (blocks.numel(), *cache.shape[1:]), cache.dtype)
-        torch.index_select(cache, 0, blocks, out=raw)
-        if cache.dtype != torch.float32:
-            raw = ws.get(name, raw.shape).copy_(raw)
-        gathered.append(raw.view(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :length])
-    k, v = gathered  # [N, length, KVH, D]
-    # slots past a sequence's end hold other data or nothing (NaN, say): zero them so that a
-    # masked score stays finite and a zero probability times V stays exactly zero
-    first = max(0, min(min(lens) - start, length))
-    beyond = torch.arange(start + first, start + length)[None, :] >= torch.tensor(lens)[:, None]
-    k[:, first:].masked_fill_(beyond[:, :, None, None], 0.0)
-    v[:, first:].masked_fill_(beyond[:, :, None, None], 0.0)
-    return k, v
+    span = -(-length // block_size) * block_size  # whole blocks
+    hidden = slots_past_end(lens, start, span)
+    past_end = None if hidden is None else hidden.flatten().nonzero().flatten()
+    blocks = window_blocks(block_tables, start, span, block_size)
+    k, v = gather_blocks(k_cache, v_cache, blocks, len(lens), past_end, workspace or Workspace())
+    return k[:, :length], v[:, :length]

@@ -4,10 +4,15 @@ The flat token axis holds the new tokens of every scheduled sequence back to
 back (a decode contributes one token, a prefill or recompute chunk several).
 Sequence `b` owns tokens `query_start_loc[b]:query_start_loc[b+1]`, which sit
 at positions `seq_lens[b] - query_len(b) .. seq_lens[b] - 1` of its context.
+
+`AttentionMetadata.build` is the one constructor: the model runner calls it
+every step, so it works from host lists with a handful of tensor ops and
+no Python loop per token.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,8 +26,11 @@ class AttentionMetadata:
     seq_lens: Tensor  # [B] int32: context length of each sequence after this step (cached + new)
     block_tables: Tensor  # [B, max_blocks_per_seq] int32, padded with 0 (padding is never read)
     slot_mapping: Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
-    query_lens_cpu: list[int]  # host copies: grid sizing and CPU loops without device syncs
-    seq_lens_cpu: list[int]
+    positions: Tensor  # [T] int64: position of each new token in its sequence (what RoPE rotates by)
+    # host copies: grid sizing and CPU loops without device syncs
+    query_lens_cpu: list[int]  # [B]
+    seq_lens_cpu: list[int]  # [B]
+    query_start_loc_cpu: list[int]  # [B+1]
 
     @property
     def num_seqs(self) -> int:
@@ -30,7 +38,7 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.query_lens_cpu)
+        return self.query_start_loc_cpu[-1]
 
     @property
     def max_query_len(self) -> int:
@@ -48,11 +56,7 @@ class AttentionMetadata:
     @property
     def query_starts_cpu(self) -> list[int]:
         """Host copy of query_start_loc[:-1]."""
-        starts, total = [], 0
-        for n in self.query_lens_cpu:
-            starts.append(total)
-            total += n
-        return starts
+        return self.query_start_loc_cpu[:-1]
 
     @classmethod
     def build(
@@ -63,31 +67,31 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build the metadata from host lists, computing each new token's cache slot."""
+        """Build the metadata from host lists, computing each new token's position and cache slot."""
         query_lens, seq_lens = [int(n) for n in query_lens], [int(n) for n in seq_lens]
         _validate(query_lens, seq_lens, block_tables, block_size)
         num_seqs = len(seq_lens)
+        starts = [0, *itertools.accumulate(query_lens)]
         width = max((len(t) for t in block_tables), default=0) or 1
-        table = torch.zeros(num_seqs, width, dtype=torch.int32)
-        for b, blocks in enumerate(block_tables):
-            table[b, : len(blocks)] = torch.tensor(list(blocks), dtype=torch.int32)
-        qlens = torch.tensor(query_lens, dtype=torch.int64)
-        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        starts[1:] = torch.cumsum(qlens, 0)
+        # one tensor from zero-padded host rows: cheaper than a copy per sequence
+        rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        table = torch.tensor(rows, dtype=torch.int64).view(num_seqs, width)
         # positions of the new tokens: seq_len - query_len + i, i in [0, query_len)
+        qlens = torch.tensor(query_lens, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)  # [T]
-        offset_in_seq = torch.arange(int(starts[-1])) - starts[seq_of_token]
+        offset_in_seq = torch.arange(starts[-1]) - torch.tensor(starts[:-1], dtype=torch.int64)[seq_of_token]
         first_pos = torch.tensor(seq_lens, dtype=torch.int64) - qlens
-        pos = first_pos[seq_of_token] + offset_in_seq
-        blocks = table.to(torch.int64)[seq_of_token, pos // block_size]
-        slots = blocks * block_size + pos % block_size  # [T]
+        pos = first_pos[seq_of_token] + offset_in_seq  # [T]
+        slots = table[seq_of_token, pos // block_size] * block_size + pos % block_size  # [T]
         return cls(
-            query_start_loc=starts.to(torch.int32).to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            block_tables=table.to(device),
+            block_tables=table.to(device=device, dtype=torch.int32),
             slot_mapping=slots.to(device),
+            positions=pos.to(device),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=starts,
         )
 
 

@@ -1,4 +1,15 @@
-"""From `--model default|PATH` and the engine options to an Engine and its Tokenizer."""
+"""Engine assembly, written once: model directory -> model -> runner -> Engine.
+
+- `build_engine(options)`: from `--model default|PATH` and the engine options (what `pagoda serve`
+  and the live-server harness call); returns the engine, its tokenizer and the model directory.
+- `load_engine(model_dir, tokenizer, options)`: the same from a resolved directory and a loaded
+  tokenizer (`pagoda generate`, which needs the tokenizer to size the pool for its prompt).
+- `make_engine(model, config)`: an Engine over a model already built (random-weight benchmarks
+  and tests); the runner's KV pool is the config's, given once.
+
+The pool and batch defaults are `EngineConfig`'s field defaults; `EngineOptions` and the command
+line read them from there.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +17,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
+from pagoda.core.engine_config import EngineConfig
 from pagoda.core.tokenizer import Tokenizer
+from pagoda.kernels import AttentionBackend
+from pagoda.model.llama import Transformer
+from pagoda.model.runner import TorchModelRunner, auto_num_blocks
 
-logger = logging.getLogger("pagoda.api")
+logger = logging.getLogger("pagoda.model")
 
 
 @dataclass(frozen=True)
@@ -20,10 +34,10 @@ class EngineOptions:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
-    block_size: int = 16
+    block_size: int = EngineConfig.block_size
     num_blocks: int | None = None
-    max_running: int = 64
-    max_batched_tokens: int = 512
+    max_running: int = EngineConfig.max_running
+    max_batched_tokens: int = EngineConfig.max_batched_tokens
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -37,15 +51,18 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engine, Tokenizer, Path]:
-    """Load the model directory and make an Engine over it; returns (engine, tokenizer, model_dir)."""
-    from pagoda.model.config import ModelConfig
-    from pagoda.model.hub import resolve_model
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
-    from pagoda.model.runner import TorchModelRunner, auto_num_blocks
+def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (),
+                tokenizer: Tokenizer | None = None, backend: AttentionBackend | None = None) -> Engine:
+    """An Engine over a built model, its runner's KV pool sized by `config`."""
+    runner = TorchModelRunner(model, config, backend=backend)
+    return Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
 
-    model_dir = resolve_model(options.model, progress=progress)
-    tokenizer = Tokenizer.from_dir(model_dir)
+
+def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
+    """Load the model in `model_dir` and make an Engine over it with the options' pool and limits."""
+    from pagoda.model.config import ModelConfig
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
+
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     context = ModelConfig.from_file(model_dir).max_position_embeddings
@@ -57,8 +74,16 @@ def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engi
                                                        max_model_len=max_model_len)
     config = EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
                           max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len)
-    runner = TorchModelRunner(model, num_blocks=num_blocks, block_size=options.block_size)
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
     logger.info("model %s on %s (%s): %d KV blocks of %d tokens, context %d",
                 model_dir, device, str(dtype).removeprefix("torch."), num_blocks, options.block_size, max_model_len)
-    return Engine(runner, config, eos_token_ids=eos, tokenizer=tokenizer), tokenizer, model_dir
+    return make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer)
+
+
+def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engine, Tokenizer, Path]:
+    """Resolve the model, load its tokenizer and make an Engine over it; returns (engine, tokenizer, model_dir)."""
+    from pagoda.model.hub import resolve_model
+
+    model_dir = resolve_model(options.model, progress=progress)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return load_engine(model_dir, tokenizer, options), tokenizer, model_dir

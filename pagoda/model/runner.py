@@ -1,8 +1,10 @@
 """The torch model runner: a scheduler batch in, logits for the sampling chunks out.
 
 It owns the paged KV cache (per layer, k and v each
-[num_blocks, block_size, num_kv_heads, head_dim]) and turns a
-`SchedulerOutput` into the flat tensors the model reads.
+[num_blocks, block_size, num_kv_heads, head_dim], from `allocate_kv_cache`,
+sized once from the `EngineConfig` the scheduler's pool follows) and turns a
+`SchedulerOutput` into the flat tensors the model reads, the attention
+metadata from `AttentionMetadata.build`.
 
 Batch invariance. A request must get the same bits whether it runs alone, in
 a crowd, or is recomputed by a prefill chunk after preemption; otherwise a
@@ -26,11 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagoda.core.batch import SchedulerOutput
+from pagoda.core.batch import RunnerOutput, SchedulerOutput
+from pagoda.core.engine_config import EngineConfig
+from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
 from pagoda.model.config import ModelConfig
 from pagoda.model.llama import StepContext, Transformer
-from pagoda.core.batch import RunnerOutput
-from pagoda.kernels import AttentionBackend, AttentionMetadata, select_backend
+
 
 @dataclass
 class StepInputs:
@@ -44,30 +47,24 @@ class StepInputs:
 class TorchModelRunner:
     """Runs a `Transformer` over scheduler batches with a paged KV cache (implements ModelRunner)."""
 
-    def __init__(self, model: Transformer, *, num_blocks: int, block_size: int,
+    def __init__(self, model: Transformer, config: EngineConfig, *,
                  backend: AttentionBackend | None = None, row_multiple: int | None = None) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.model = model
         model.pack_weights()  # weights are loaded by now: reorder them for the matmul kernel once
-        self.config: ModelConfig = model.config
-        self.vocab_size = self.config.vocab_size
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.model_config: ModelConfig = model.config
+        self.vocab_size = self.model_config.vocab_size
+        self.num_blocks, self.block_size = config.num_blocks, config.block_size  # the pool the scheduler hands out
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.backend = backend if backend is not None else select_backend(self.device)
         self.row_multiple = row_multiple or model.matmul.row_multiple
-        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.config.num_hidden_layers)
-        ]
+        c = self.model_config
+        shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_chunks, V]."""
-        if batch.block_size != self.block_size:
-            raise ValueError(f"batch block_size {batch.block_size} != the cache's {self.block_size}")
         if batch.is_empty:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         inputs = self.prepare(batch)
@@ -78,50 +75,26 @@ class TorchModelRunner:
         return RunnerOutput(logits=logits[: inputs.num_samples])
 
     def prepare(self, batch: SchedulerOutput) -> StepInputs:
-        """Flatten the chunks into padded token rows and build the attention metadata."""
+        """Flatten the chunks into padded token rows and build the step's attention metadata."""
         chunks = batch.chunks
-        query_lens = [c.num_tokens for c in chunks]
-        seq_lens = [c.end for c in chunks]
-        starts = [c.start for c in chunks]
-        num_tokens = sum(query_lens)
+        # positions and cache slots come from the metadata builder, with tensor ops, not a loop per token
+        meta = AttentionMetadata.build([c.num_tokens for c in chunks], [c.end for c in chunks],
+                                       [c.block_table for c in chunks], self.block_size, self.device)
+        num_tokens = meta.num_tokens
         padded = _round_up(num_tokens, self.row_multiple)
-        token_ids: list[int] = []
-        for c in chunks:
-            token_ids += c.token_ids
+        token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
         token_ids += [0] * (padded - num_tokens)
-        query_start_loc = [0, *itertools.accumulate(query_lens)]
-        max_blocks = max(len(c.block_table) for c in chunks)
-        tables = [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks]
-
-        # Per-token positions and cache slots with tensor ops, not a Python loop per token.
-        lens_t = torch.tensor(query_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens_t)  # [T]
-        offsets = torch.arange(num_tokens) - torch.tensor(query_start_loc[:-1])[seq_of_token]
-        positions = torch.tensor(starts)[seq_of_token] + offsets  # [T]
-        tables_t = torch.tensor(tables, dtype=torch.int64)  # [B, max_blocks]
-        slots = tables_t[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
-        positions = torch.cat((positions, positions.new_zeros(padded - num_tokens)))
-
-        sample_rows = [query_start_loc[i + 1] - 1 for i, c in enumerate(chunks) if c.samples]
+        positions = torch.cat((meta.positions, meta.positions.new_zeros(padded - num_tokens)))  # [Tp]
+        ends = meta.query_start_loc_cpu[1:]
+        sample_rows = [end - 1 for end, c in zip(ends, chunks) if c.samples]
         num_samples = len(sample_rows)
         sample_rows += [0] * (_round_up(num_samples, self.row_multiple) - num_samples)
-
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables_t.to(device=dev, dtype=torch.int32),
-            slot_mapping=slots.to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        ctx = StepContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend, num_tokens=num_tokens)
         return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=positions,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             num_samples=num_samples,
-            ctx=ctx,
+            ctx=StepContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend, num_tokens=num_tokens),
         )
 
 

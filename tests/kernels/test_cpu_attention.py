@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import pagoda.kernels.cpu_attention as cpu_mod
-from pagoda.kernels.cpu_attention import TILE, CpuBackend, cpu_attention
+import pagoda.kernels.cpu_plan as plan_mod
+from pagoda.kernels.cpu_attention import CpuBackend, cpu_attention
+from pagoda.kernels.cpu_plan import TILE
 from pagoda.kernels.reference import reference_attention
 
 from .attention_world import World, rel_err
@@ -91,7 +93,7 @@ SMALL_CHUNK = 128  # so that these contexts span up to three key chunks of the o
 @pytest.fixture(scope="module", autouse=True)
 def small_chunks():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_mod, "CHUNK", SMALL_CHUNK)
+        mp.setattr(plan_mod, "CHUNK", SMALL_CHUNK)
         yield
 
 
@@ -162,10 +164,10 @@ def test_mixed_batch_rows_equal_their_alone_rows(world, full_prefill):
 def test_grouping_and_step_sizes_never_change_bits(world, full_prefill, monkeypatch):
     items = [(i, n - 1, 1) for i, n in enumerate(LENS)]
     ref_decodes = run_cpu(world.batch(items))
-    assert len(cpu_mod._decode_groups(list(range(len(LENS))), LENS, SMALL_CHUNK, 1 << 20)) == 1
+    assert len(plan_mod._decode_groups(list(range(len(LENS))), LENS, SMALL_CHUNK, 1 << 20)) == 1
     # budgets so small that every decode is its own group and a prompt is folded 4 rows at a time
-    monkeypatch.setattr(cpu_mod, "SCORE_BUDGET", 1024)
-    assert len(cpu_mod._decode_groups(list(range(len(LENS))), LENS, SMALL_CHUNK, 1024 // 12)) == len(LENS)
+    monkeypatch.setattr(plan_mod, "SCORE_BUDGET", 1024)
+    assert len(plan_mod._decode_groups(list(range(len(LENS))), LENS, SMALL_CHUNK, 1024 // 12)) == len(LENS)
     assert torch.equal(run_cpu(world.batch(items)), ref_decodes)
     assert torch.equal(run_cpu(world.batch([(0, 0, 300)])), full_prefill[0])
 
@@ -173,7 +175,7 @@ def test_grouping_and_step_sizes_never_change_bits(world, full_prefill, monkeypa
 def test_chunk_size_is_a_real_parameter(world, full_prefill, monkeypatch):
     # a different key chunk gives (slightly) different bits: the invariance above is not vacuous,
     # and the chunk size must stay fixed for the life of an engine
-    monkeypatch.setattr(cpu_mod, "CHUNK", 4 * SMALL_CHUNK)
+    monkeypatch.setattr(plan_mod, "CHUNK", 4 * SMALL_CHUNK)
     other = run_cpu(world.batch([(0, 0, 300)]))
     assert not torch.equal(other, full_prefill[0])
     assert rel_err(other, full_prefill[0]) < 1e-6
@@ -181,7 +183,7 @@ def test_chunk_size_is_a_real_parameter(world, full_prefill, monkeypatch):
 
 def test_row_padding_is_what_keeps_decodes_equal_to_prefill_rows(world, full_prefill, monkeypatch):
     # without padding a decode's 3 rows (G = 3) to 4, MKL takes its few-row path and the bits move
-    monkeypatch.setattr(cpu_mod, "ROW_MULTIPLE", 1)
+    monkeypatch.setattr(plan_mod, "ROW_MULTIPLE", 1)
     differ = sum(
         not torch.equal(run_cpu(world.batch([(0, p, 1)]))[0], full_prefill[0][p]) for p in range(0, 300, 10)
     )
@@ -228,7 +230,7 @@ def _args(step):
 
 
 def test_default_chunk_over_a_long_context(monkeypatch):
-    monkeypatch.setattr(cpu_mod, "CHUNK", 1024)
+    monkeypatch.setattr(plan_mod, "CHUNK", 1024)
     n = 2 * 1024 + 70  # three default chunks
     world = World([n, 40], num_heads=4, num_kv_heads=1, head_dim=64, seed=12)
     whole = run_cpu(world.batch([(0, 0, n)]))

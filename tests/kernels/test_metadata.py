@@ -1,4 +1,4 @@
-"""AttentionMetadata.build: offsets, padded block tables, slot mapping, validation."""
+"""AttentionMetadata.build: offsets, padded block tables, slot mapping, positions, validation."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ def test_build_lays_out_tokens_and_slots():
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[7, 2], [4, 9]]
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 9 * 4 + 2]
     assert meta.slot_mapping.dtype == torch.int64
+    assert meta.positions.tolist() == [3, 4, 6] and meta.positions.dtype == torch.int64
+    assert meta.query_start_loc_cpu == [0, 2, 3]
 
 
 def test_build_pads_ragged_tables_and_reports_host_copies():
@@ -45,3 +47,4 @@ def test_build_rejects_inconsistent_input(args, field):
 def test_empty_step():
     meta = AttentionMetadata.build([], [], [], 16)
     assert meta.num_tokens == 0 and meta.max_query_len == 0 and meta.slot_mapping.numel() == 0
+    assert meta.positions.numel() == 0 and meta.block_tables.shape == (0, 1)

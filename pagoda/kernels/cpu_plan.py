@@ -1,0 +1,150 @@
+"""The CPU backend's per-step attention plan: what every layer of a step reads, worked out once.
+
+Design note. Everything the CPU attention (`cpu_attention.py`) does that
+depends only on the step's metadata, not on a layer's Q/K/V, is decided here:
+which query rows are folded together, which cache blocks each group reads,
+which slots lie past a sequence's end, and the masks. The backend builds one
+`AttentionPlan` per step and reuses it for every layer, so a decode costs
+about 20 torch ops per layer.
+
+The numerics fix three sizes (see the note in `cpu_attention.py`): keys are
+folded in chunks of CHUNK absolute positions, each a whole number of TILE-key
+tiles and of cache blocks; matmul row counts are padded to ROW_MULTIPLE.
+Work is grouped for speed only: decodes of similar length share one set of
+ops, and a prefill chunk is folded a few hundred rows at a time (`step`),
+each step reading only the tiles up to its last position. The grouping never
+changes the bits, which is why it can follow a memory budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagoda.kernels.kv_cache import slots_past_end, window_blocks
+from pagoda.kernels.metadata import AttentionMetadata
+
+TILE = 64  # key positions per tile: the fixed reduction length of every P @ V product
+CHUNK = 1024  # key positions per chunk (rounded up to whole tiles and blocks): the online-softmax step
+ROW_MULTIPLE = 4  # matmul row counts are padded to a multiple of this (MKL rounds 1-3 row pieces apart)
+# elements per step in the score tensor and in the gathered K (and V) chunk: working sets of a
+# few MB stay in cache and are reused, instead of page-faulting fresh memory every call
+SCORE_BUDGET = 1 << 20
+KV_BUDGET = 1 << 20
+
+
+@dataclass
+class KeyChunk:
+    """Key positions [start, start + length) of N sequences, read as whole cache blocks."""
+
+    start: int
+    length: int  # whole tiles and blocks
+    blocks: Tensor  # [N * length // block_size] int64 cache blocks, sequence by sequence
+    # slots at or past a sequence's end (None if there are none), which hold other data or nothing (NaN):
+    past_end: Tensor | None  # [P] int64 indices into the chunk's N * length slots, zeroed after the read
+    end_bias: Tensor | None  # [N, 1, length] float32: -inf at those slots, 0 elsewhere (a decode's mask)
+
+
+@dataclass
+class RowSet:
+    """Query rows folded together: decodes of similar length (rows = G heads each), or one chunk."""
+
+    seqs: list[int]
+    tokens: Tensor | slice  # the rows' tokens in the flat token axis (a slice when contiguous)
+    num_tokens: int  # per sequence: 1 for decodes, the chunk's length otherwise
+    rows: int  # per sequence: num_tokens * G padded to ROW_MULTIPLE
+    row_pos: Tensor  # [N, rows] int64 position of each row; padded rows repeat the last one
+    last_pos: list[int]  # per step of `step` rows: the largest position in it
+    step: int
+    chunks: list[KeyChunk]
+
+
+@dataclass
+class AttentionPlan:
+    """What a step's attention reads, from its metadata alone: built once, used by every layer."""
+
+    meta: AttentionMetadata
+    key: tuple  # cache geometry and module constants the plan was built for
+    row_sets: list[RowSet]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> AttentionPlan:
+        """Group the step's sequences and list the blocks each group reads."""
+        unit = math.lcm(TILE, block_size)  # key spans are whole tiles and whole blocks
+        chunk = round_up(CHUNK, unit)
+        starts, seq_lens = meta.query_starts_cpu, meta.seq_lens_cpu
+        decodes = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+        # per key of a chunk, a decode holds KVH * rows scores and KVH * D gathered values of K (and V)
+        rows = round_up(group, ROW_MULTIPLE)
+        max_keys = min(SCORE_BUDGET // (num_kv_heads * rows), KV_BUDGET // (num_kv_heads * dim))
+        row_sets = []
+        for seqs in _decode_groups(decodes, seq_lens, chunk, max_keys):
+            lens = [seq_lens[b] for b in seqs]
+            tokens = [starts[b] for b in seqs]
+            contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+            row_pos = (torch.tensor(lens, dtype=torch.int64)[:, None] - 1).expand(len(seqs), rows)
+            row_sets.append(RowSet(
+                seqs, slice(tokens[0], tokens[0] + len(tokens)) if contiguous else torch.tensor(tokens),
+                1, rows, row_pos, [max(lens) - 1], rows, _key_chunks(meta, seqs, lens, chunk, block_size, unit),
+            ))  # fmt: skip
+        for b, qlen in enumerate(meta.query_lens_cpu):
+            if qlen == 1:
+                continue
+            seq_len = seq_lens[b]
+            rows = round_up(qlen * group, ROW_MULTIPLE)
+            pos = [min(seq_len - qlen + r // group, seq_len - 1) for r in range(rows)]  # padded rows: the last
+            # rows per step: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
+            step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
+            last = [pos[min(rows, lo + step) - 1] for lo in range(0, rows, step)]
+            row_sets.append(RowSet(
+                [b], slice(starts[b], starts[b] + qlen), qlen, rows, torch.tensor([pos]), last, step,
+                _key_chunks(meta, [b], [seq_len], chunk, block_size, unit),
+            ))  # fmt: skip
+        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets)
+
+    def fits(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> bool:
+        """Whether this plan was built for this step and this geometry."""
+        return self.meta is meta and self.key == _plan_key(block_size, num_kv_heads, group, dim)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def _plan_key(*geometry: int) -> tuple:
+    return (*geometry, TILE, CHUNK, ROW_MULTIPLE, SCORE_BUDGET, KV_BUDGET)
+
+
+def _key_chunks(meta, seqs, lens, chunk, block_size, unit) -> list[KeyChunk]:
+    """The key chunks N sequences read: positions up to the longest, in whole tiles and blocks."""
+    end = round_up(max(lens), unit)
+    tables = meta.block_tables[seqs].to(torch.int64)  # [N, max_blocks]
+    chunks = []
+    for start in range(0, end, chunk):
+        length = min(chunk, end - start)
+        past_end = bias = None
+        hidden = slots_past_end(lens, start, length)  # [N, length] or None
+        if hidden is not None:
+            past_end = hidden.flatten().nonzero().flatten()
+            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None, :]
+        chunks.append(KeyChunk(start, length, window_blocks(tables, start, length, block_size), past_end, bias))
+    return chunks
+
+
+def _decode_groups(decodes: list[int], seq_lens: list[int], chunk: int, max_keys: int) -> list[list[int]]:
+    """Split decode sequences, sorted by length, into groups holding at most max_keys keys per chunk."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for b in sorted(decodes, key=lambda b: seq_lens[b]):
+        keys = min(seq_lens[b], chunk)  # the longest so far, as the list is sorted
+        if current and (len(current) + 1) * keys > max_keys:
+            groups.append(current)
+            current = []
+        current.append(b)
+    if current:
+        groups.append(current)
+    return groups
