@@ -1,5 +1,8 @@
 """Clients that hang up, stop reading or pipeline, over raw sockets, and servers configured for them.
 
+The matrix is every endpoint the installed plugins register (the four built-in protocols, and the Ollama
+example's two when its package is installed), stream and not: bodies come from each endpoint's client half.
+
 A client that leaves is a socket that closes: no HTTP library in between
 decides when the connection really goes. The engine is read directly (this
 process holds it): a test takes the live `Request` object of its request and
@@ -20,36 +23,34 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.harness.live_server import LiveServer, start_server
 from pagoda.api.settings import ServeSettings
 from pagoda.core.request import Request
+from pagoda.harness.live_server import LiveServer, start_server
+from pagoda.plugins.client import ClientRequest, registered_endpoints
+from pagoda.plugins.manager import load_plugins
 
-PROTOCOLS = ("completions", "chat", "responses", "messages")
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
-         "messages": "/v1/messages"}
-EIGHT_PATHS = [(protocol, stream) for protocol in PROTOCOLS for stream in (False, True)]
+PLUGINS_ENV: dict[str, str] = {}  # PAGODA_PLUGINS unset: the built-in plugins and every installed one
+ENDPOINTS = registered_endpoints(load_plugins(PLUGINS_ENV))  # protocol name -> Endpoint, as the servers have them
+PROTOCOLS = tuple(ENDPOINTS)
+PATHS = {protocol: endpoint.path for protocol, endpoint in ENDPOINTS.items()}
+EVERY_PATH = [(protocol, stream) for protocol in PROTOCOLS for stream in (False, True)]
 PROMPT = "Tell me a long story about a pagoda."
 
 
 def start_live(model_dir: Path, name: str, *, settings: dict[str, Any] | None = None,
                environ: dict[str, str] | None = None, **engine_options: Any) -> LiveServer:
-    """A live server with these ServeSettings fields and only the built-in plugins (unless `environ` says)."""
-    return start_server(model_dir, name, settings=ServeSettings(**(settings or {})),
-                        environ=environ or {"PAGODA_PLUGINS": "none"}, **engine_options)
+    """A live server with these ServeSettings fields and the matrix's plugins (unless `environ` says)."""
+    server = start_server(model_dir, name, settings=ServeSettings(**(settings or {})),
+                          environ=environ or PLUGINS_ENV, **engine_options)
+    assert environ is not None or set(server.endpoints) == set(ENDPOINTS), (set(server.endpoints), set(ENDPOINTS))
+    return server
 
 
-def request_body(protocol: str, *, max_tokens: int, stream: bool, prompt: str | list[int] = PROMPT,
+def request_body(protocol: str, *, max_tokens: int, stream: bool, prompt: str = PROMPT,
                  **extra: Any) -> dict[str, Any]:
-    """A greedy request that runs its whole budget (ignore_eos), in the protocol's shape."""
-    if protocol == "completions":
-        body = {"prompt": prompt, "max_tokens": max_tokens}
-    elif protocol == "chat":
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    elif protocol == "responses":
-        body = {"input": prompt, "max_output_tokens": max_tokens}
-    else:
-        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    return {"model": "m", "stream": stream, "temperature": 0, "ignore_eos": True, **body, **extra}
+    """A greedy request that runs its whole budget (ignore_eos), in the protocol's shape (its client half's)."""
+    ask = ClientRequest(prompt, max_tokens, stream=stream, temperature=0.0, ignore_eos=True, model="m")
+    return {**ENDPOINTS[protocol].client_request(ask), **extra}
 
 
 def wait_for(condition, what: str, timeout: float = 60.0) -> None:

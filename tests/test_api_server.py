@@ -118,12 +118,28 @@ def test_the_right_key_passes_with_either_header(keyed_server):
 
 
 # -- routes outside the protocols ------------------------------------------------------------------
-def test_unknown_routes_answer_in_the_callers_shape(tiny_server):
+def test_unknown_routes_answer_in_the_default_shape_whatever_the_headers(tiny_server):
     r = httpx.get(f"{tiny_server.url}/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{tiny_server.url}/v1/nothing-here", headers={"anthropic-version": "2023-06-01"})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"  # no header picks the shape
     assert httpx.get(f"{tiny_server.url}/v1/chat/completions").status_code == 405
+
+
+def test_the_model_card_holds_each_familys_fields_and_both_sdks_read_it(tiny_server):
+    name = tiny_server.model_name
+    card = httpx.get(f"{tiny_server.url}/v1/models/{name}").json()
+    assert {"id", "object", "created", "owned_by"} <= set(card)  # OpenAI's, from openai_common
+    assert {"type", "display_name", "created_at"} <= set(card)  # Anthropic's, from anthropic_messages
+    assert card["id"] == name and card["max_model_len"] == 1024  # pagoda's own, from the models plugin
+    assert httpx.get(f"{tiny_server.url}/v1/models").json()["data"] == [card]
+    assert tiny_server.openai().models.retrieve(name).owned_by == "pagoda"
+    model = tiny_server.anthropic().models.retrieve(name)
+    assert (model.id, model.display_name, model.created_at.timestamp()) == (name, name, card["created"])
+    assert [m.id for m in tiny_server.anthropic().models.list().data] == [name]
+    # The route's owner is OpenAI: its errors are OpenAI's whatever the client sends.
+    r = httpx.get(f"{tiny_server.url}/v1/models/nope", headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and name in r.json()["error"]["message"]
 
 
 # -- access log and disconnects --------------------------------------------------------------------

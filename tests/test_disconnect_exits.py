@@ -25,10 +25,15 @@ from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins import hookimpl
 from pagoda.plugins.manager import load_plugins
-from pagoda.plugins.protocol import ApiError, Endpoint, Event, Generation
+from pagoda.plugins.protocol import ApiError, Endpoint, ErrorShape, Event, Generation
 from tests.core_helpers import fake_engine
 
 K = 3  # steps allowed before the exit
+
+
+class PlainErrors(ErrorShape):
+    def render_error(self, error: ApiError):
+        return {"error": error.message}
 
 
 class Count(Endpoint):
@@ -37,6 +42,7 @@ class Count(Endpoint):
     name = "count"
     path = "/count"
     body_type = dict
+    errors = PlainErrors()
 
     def prepare(self, body, ctx):
         params = SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
@@ -50,9 +56,6 @@ class Count(Endpoint):
             yield Event({"n": out.num_output_tokens})
             if out.num_output_tokens == call.body.get("stop_after"):
                 return  # a renderer that stops early, leaving the outputs unconsumed
-
-    def render_error(self, error: ApiError):
-        return {"error": error.message}
 
 
 class CountPlugin:

@@ -1,4 +1,4 @@
-"""The eight paths (four protocols, stream and not) over real sockets: hang-ups end the work, nothing else does.
+"""Every path (each registered endpoint, stream and not) over real sockets: hang-ups end the work, nothing else does.
 
 Each hang-up test proves it was hard: the client leaves only once the engine
 has generated tokens for it (it was mid-decode), and with one running slot
@@ -6,12 +6,16 @@ the next request can only start after the departed one was removed, so "the
 next request was not kept waiting" is read off the engine's counters.
 """
 
+from importlib import metadata
+
 import httpx
 import pytest
 
 from pagoda.core.request import FinishReason
+from pagoda.plugins.manager import ENTRY_POINT_GROUP
 from tests.disconnect_helpers import (
-    EIGHT_PATHS,
+    ENDPOINTS,
+    EVERY_PATH,
     PATHS,
     PROTOCOLS,
     RawClient,
@@ -27,10 +31,10 @@ from tests.disconnect_helpers import (
 ASKED = 800
 HANGUP_AT = 20  # tokens generated for the request when its client leaves (~0.15 s in on the tiny model)
 FAR_FEWER = ASKED // 5  # what "far fewer than asked" means here, with room for a loaded machine
-PATH_IDS = [f"{protocol}-{'stream' if stream else 'unary'}" for protocol, stream in EIGHT_PATHS]
+PATH_IDS = [f"{protocol}-{'stream' if stream else 'unary'}" for protocol, stream in EVERY_PATH]
 
 
-@pytest.mark.parametrize(("protocol", "stream"), EIGHT_PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("protocol", "stream"), EVERY_PATH, ids=PATH_IDS)
 def test_a_client_that_hangs_up_mid_decode_ends_its_work(one_slot_server, access_log, protocol, stream):  # noqa: F811
     live = one_slot_server
     before = live.assert_pool_whole()
@@ -98,17 +102,21 @@ def small_pool_server(tiny_model_dir):
     live.server.stop()
 
 
-@pytest.mark.parametrize(("protocol", "stream"), EIGHT_PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("protocol", "stream"), EVERY_PATH, ids=PATH_IDS)
 def test_refused_requests_are_still_a_400_on_every_path(small_pool_server, protocol, stream):
     live = small_pool_server
     before = live.assert_pool_whole()
+    shape = ENDPOINTS[protocol].errors
     too_many_blocks = request_body(protocol, max_tokens=500, stream=stream)  # fits the context, not the pool
     too_long = request_body(protocol, max_tokens=8, stream=stream, prompt="pagoda " * 1100)  # beyond the context
     for body, words in ((too_many_blocks, "KV blocks"), (too_long, "context")):
         r = httpx.post(f"{live.url}{PATHS[protocol]}", json=body, timeout=60)
         assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert words in error["message"] and error["type"] == "invalid_request_error"
+        error = shape.read_error(400, r.json())
+        assert words in error.message
+        assert r.json() == shape.render_error(error)  # the endpoint's own shape of a 400
+        if isinstance(r.json()["error"], dict):  # a shape with error types (OpenAI's, Anthropic's)
+            assert r.json()["error"]["type"] == "invalid_request_error"
         if protocol == "messages":
             assert r.json()["type"] == "error"
     after = live.assert_pool_whole()
@@ -116,4 +124,8 @@ def test_refused_requests_are_still_a_400_on_every_path(small_pool_server, proto
 
 
 def test_every_protocol_is_covered():
-    assert set(PROTOCOLS) == {"completions", "chat", "responses", "messages"} and len(EIGHT_PATHS) == 8
+    assert {"completions", "chat", "responses", "messages"} <= set(PROTOCOLS)
+    assert len(EVERY_PATH) == 2 * len(PROTOCOLS) >= 8
+    installed = {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    if "ollama" in installed:  # a third-party plugin's endpoints join the matrix like the built-in ones
+        assert {"ollama-generate", "ollama-chat"} <= set(PROTOCOLS)

@@ -7,8 +7,11 @@ buffers) to prove the case it claims, then what the request cost afterwards.
 
 import pytest
 
+from pagoda.api.stream_writer import KEEPALIVE, MEDIA_TYPES
 from pagoda.core.request import FinishReason, RequestStatus
 from tests.disconnect_helpers import (
+    ENDPOINTS,
+    EVERY_PATH,
     PATHS,
     RawClient,
     access_log,  # noqa: F401  (fixtures)
@@ -21,7 +24,10 @@ from tests.disconnect_helpers import (
 )
 
 
-@pytest.mark.parametrize(("protocol", "stream"), [("chat", False), ("messages", True)])
+PATH_IDS = [f"{protocol}-{'stream' if stream else 'unary'}" for protocol, stream in EVERY_PATH]
+
+
+@pytest.mark.parametrize(("protocol", "stream"), EVERY_PATH, ids=PATH_IDS)
 def test_a_client_that_leaves_while_queued_never_costs_a_step(one_slot_server, access_log, protocol,  # noqa: F811
                                                                stream):
     live = one_slot_server
@@ -45,7 +51,7 @@ def test_a_client_that_leaves_while_queued_never_costs_a_step(one_slot_server, a
     wait_for(lambda: any(r.status == 499 and r.path == PATHS[protocol] for r in access_log()), "the 499 line")
 
 
-@pytest.mark.parametrize(("protocol", "stream"), [("completions", False), ("completions", True), ("chat", True)])
+@pytest.mark.parametrize(("protocol", "stream"), EVERY_PATH, ids=PATH_IDS)
 def test_a_client_that_leaves_during_a_long_prefill_gets_no_decode(one_slot_server, access_log, protocol,  # noqa: F811
                                                                    stream):
     live = one_slot_server
@@ -56,9 +62,10 @@ def test_a_client_that_leaves_during_a_long_prefill_gets_no_decode(one_slot_serv
     request = new_request(live)
     prompt = request.num_prompt_tokens
     assert prompt > 800
-    if stream:  # the status line and a comment went out at admission, before the prefill ends
-        head = client.read_until(b": keep-alive\n\n")
-        assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head
+    if stream:  # the status line (and, for SSE, a comment) went out at admission, before the prefill ends
+        stream_format = ENDPOINTS[protocol].stream_format
+        head = client.read_until(KEEPALIVE if stream_format == "sse" else b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and MEDIA_TYPES[stream_format].split(";")[0].encode() in head
     wait_for(lambda: request.num_computed_tokens >= 8, "the prefill to have started")
     at_close = request.num_computed_tokens
     client.close()

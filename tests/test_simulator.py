@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +19,17 @@ def test_crowd_json_round_trip_and_errors():
         crowd_from_json('[{"client_id": "a"}, {"client_id": "a"}]')
     with pytest.raises(ValueError, match="top_p"):
         ClientPlan("a", top_p=0)
+
+
+def test_a_plans_protocol_is_any_endpoints_name_and_the_simulator_imports_no_plugin():
+    crowd = mixed_crowd(4, clients=6, protocols=("chat", "ollama-chat", "a-plugins-own"))
+    assert crowd_from_json(crowd_to_json(crowd)) == crowd  # resolved by the live harness, not here
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match="protocol"):
+            ClientPlan("a", protocol=bad)
+    code = "import sys, pagoda.simulator.simulate, pagoda.simulator.crowd; print(sorted(m for m in sys.modules if m.startswith('pagoda.plugins')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_simulation_is_deterministic():

@@ -2,7 +2,10 @@
 
 A protocol plugin is a set of Endpoint subclasses registered through the
 `pagoda_register_protocols` hook; the server does the rest (body validation,
-API key, engine calls, disconnects, metrics, error statuses).
+API key, engine calls, disconnects, metrics, error statuses). Each endpoint
+has both halves: the server's (prepare, render, render_stream, its error
+shape) and the client's (client_request, client_answer), which is what lets
+pagoda's crowd harness and disconnect matrix drive these routes unchanged.
 """
 
 from __future__ import annotations
@@ -15,17 +18,9 @@ import msgspec
 
 from pagoda.core.request import FinishReason
 from pagoda.plugins import hookimpl
-from pagoda.plugins.protocol import (
-    ApiError,
-    Call,
-    Completion,
-    Endpoint,
-    Event,
-    Generation,
-    RequestError,
-    ServeContext,
-    make_sampling_params,
-)
+from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
+from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, ErrorShape
+from pagoda.plugins.protocol import Event, Generation, RequestError, ServeContext, make_sampling_params
 
 
 class Options(msgspec.Struct):
@@ -39,6 +34,7 @@ class Options(msgspec.Struct):
     seed: int | None = None
     num_predict: int | None = None  # -1 or absent = as much as fits
     stop: list[str] | None = None
+    ignore_eos: bool = False  # a pagoda extension: run to num_predict whatever the model says
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -65,14 +61,26 @@ class ChatRequest(msgspec.Struct, kw_only=True):
 def _params(options: Options, num_prompt_tokens: int, ctx: ServeContext):
     limit = options.num_predict
     max_tokens = ctx.default_max_tokens(num_prompt_tokens) if limit is None or limit < 0 else limit
-    if max_tokens == 0:
-        raise RequestError("options.num_predict must not be 0", "options.num_predict")
     return make_sampling_params(
-        {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty"},
+        {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
+         "stop": "options.stop"},
         max_tokens=max_tokens, temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
-        min_p=options.min_p, repetition_penalty=options.repeat_penalty, seed=options.seed,
-        stop=tuple(options.stop or ()),
+        min_p=options.min_p, repetition_penalty=options.repeat_penalty, seed=options.seed, stop=options.stop,
+        ignore_eos=options.ignore_eos,
     )
+
+
+class OllamaErrors(ErrorShape):
+    """Ollama's error shape: {"error": message}, in the body or as the stream's last line."""
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        return {"error": error.message}
+
+    def read_error(self, status: int, body: Any) -> ApiError:
+        return ApiError(status, body["error"])
+
+
+OLLAMA_ERRORS = OllamaErrors()
 
 
 def _now() -> str:
@@ -81,6 +89,7 @@ def _now() -> str:
 
 class _OllamaEndpoint(Endpoint):
     stream_format = "ndjson"
+    errors = OLLAMA_ERRORS
 
     def _piece(self, call: Call, text: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -103,12 +112,42 @@ class _OllamaEndpoint(Endpoint):
             if out.finished:
                 yield Event(self._done(call, out.finish_reason, out.num_prompt_tokens, out.num_output_tokens))
 
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        return {"error": error.message}
+    # -- the client half ----------------------------------------------------
+    def _client_options(self, ask: ClientRequest) -> dict[str, Any]:
+        # Every option named, so Ollama's own defaults (top_k 40, repeat_penalty 1.1) do not apply.
+        options = {"num_predict": ask.max_tokens, "temperature": ask.temperature, "top_p": ask.top_p,
+                   "top_k": ask.top_k, "repeat_penalty": 1.0, "seed": ask.seed, "ignore_eos": ask.ignore_eos}
+        return {"model": ask.model, "stream": ask.stream, "options": options}
+
+    def client_answer(self) -> OllamaAnswer:
+        return OllamaAnswer(self._text_of)
+
+    def _text_of(self, line: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+class OllamaAnswer(ClientAnswer):
+    """A client's view of an Ollama answer: the pieces' text, then the `done` line's reason and counts."""
+
+    def __init__(self, text_of) -> None:
+        super().__init__()
+        self.text_of = text_of  # the endpoint's: a line -> its text
+
+    def unary(self, body: dict[str, Any]) -> None:
+        self.event(body)  # a unary body is the stream's last line with the whole text
+
+    def event(self, data: Any) -> None:
+        if "error" in data:
+            raise ClientError(data["error"])
+        self.parts.append(self.text_of(data))
+        if data["done"]:
+            self.finish_reason = "length" if data["done_reason"] == "length" else "stop"
+            self.prompt_tokens, self.output_tokens = data["prompt_eval_count"], data["eval_count"]
 
 
 class Generate(_OllamaEndpoint):
     name = "ollama-generate"
+    protocol = "ollama-generate"
     path = "/api/generate"
     body_type = GenerateRequest
 
@@ -123,9 +162,16 @@ class Generate(_OllamaEndpoint):
     def _piece(self, call: Call, text: str) -> dict[str, Any]:
         return {"model": call.model, "created_at": _now(), "response": text, "done": False}
 
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        return {**self._client_options(ask), "prompt": ask.prompt}
+
+    def _text_of(self, line: dict[str, Any]) -> str:
+        return line["response"]
+
 
 class Chat(_OllamaEndpoint):
     name = "ollama-chat"
+    protocol = "ollama-chat"
     path = "/api/chat"
     body_type = ChatRequest
 
@@ -138,6 +184,12 @@ class Chat(_OllamaEndpoint):
     def _piece(self, call: Call, text: str) -> dict[str, Any]:
         return {"model": call.model, "created_at": _now(), "message": {"role": "assistant", "content": text},
                 "done": False}
+
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        return {**self._client_options(ask), "messages": [{"role": "user", "content": ask.prompt}]}
+
+    def _text_of(self, line: dict[str, Any]) -> str:
+        return line["message"]["content"]
 
 
 @hookimpl

@@ -2,9 +2,11 @@
 
 One conversion (`api_error`) from exceptions to `ApiError`, used by the
 endpoint handlers and by the app's exception handlers (body validation, the
-API key, unknown routes). Routes that belong to no protocol (/v1/models, a
-404) answer in OpenAI's shape, or in Anthropic's when the request carries the
-`anthropic-version` header its SDK always sends.
+API key, unknown routes). The shape is the route's owner's: a route carries
+its `ErrorShape` in its handler's opt (`ERRORS_OPT`; a protocol endpoint's is
+its family's). A route without one (an unknown path, a route that names no
+shape) answers in DEFAULT_ERRORS, OpenAI's shape, as vLLM does. No request
+header picks the shape: the route decides.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded
-from pagoda.plugins.protocol import ApiError, Endpoint, RequestError
+from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
+from pagoda.plugins.protocol import ApiError, ErrorShape, RequestError
 
 logger = logging.getLogger("pagoda.api")
 
-ENDPOINT_OPT = "pagoda_endpoint"  # route handler opt key holding the Endpoint
+ERRORS_OPT = "pagoda_errors"  # route handler opt key holding the route's ErrorShape
+DEFAULT_ERRORS: ErrorShape = OPENAI_ERRORS  # the shape of routes that name none
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
@@ -62,30 +66,19 @@ def _validation_error(exc: ValidationException) -> ApiError:
     return ApiError(400, text, key)
 
 
-def error_response(endpoint: Endpoint | None, error: ApiError, request: Request | None = None) -> Response[Any]:
-    """An error Response rendered by the endpoint (or the fallback shape for other routes)."""
-    body = endpoint.render_error(error) if endpoint is not None else fallback_error_body(error, request)
+def error_response(shape: ErrorShape | None, error: ApiError) -> Response[Any]:
+    """An error Response in `shape` (DEFAULT_ERRORS when None), with the error's status."""
+    body = (shape or DEFAULT_ERRORS).render_error(error)
     headers = {"x-should-retry": "false"} if error.status >= 500 else None  # SDKs would otherwise retry twice
     return Response(body, status_code=error.status, headers=headers)
 
 
-def fallback_error_body(error: ApiError, request: Request | None) -> dict[str, Any]:
-    """The error shape of routes that belong to no protocol: OpenAI's, or Anthropic's for its SDK."""
-    if request is not None and "anthropic-version" in request.headers:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(error.status, "invalid_request_error")
-        kind = "api_error" if error.status >= 500 else kind
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
-    kind = "server_error" if error.status >= 500 else "invalid_request_error"
-    code = error.code or {401: "invalid_api_key", 404: "not_found"}.get(error.status)
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
-
-
-def endpoint_of(request: Request) -> Endpoint | None:
-    """The protocol endpoint a request was routed to, if any."""
+def errors_of(request: Request) -> ErrorShape | None:
+    """The error shape of the route a request was routed to, if it names one."""
     handler = request.scope.get("route_handler")
-    return handler.opt.get(ENDPOINT_OPT) if handler is not None else None
+    return handler.opt.get(ERRORS_OPT) if handler is not None else None
 
 
 def handle_exception(request: Request, exc: Exception) -> Response[Any]:
     """Litestar exception handler: any error outside a handler's own try, in the route's shape."""
-    return error_response(endpoint_of(request), api_error(exc), request)
+    return error_response(errors_of(request), api_error(exc))

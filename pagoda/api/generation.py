@@ -38,7 +38,7 @@ from litestar.types import ASGIApp, Guard, Receive, Scope, Send
 
 from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
 from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
-from pagoda.api.errors import ENDPOINT_OPT, api_error, error_response
+from pagoda.api.errors import ERRORS_OPT, api_error, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.core.async_engine import AsyncEngine
@@ -69,7 +69,7 @@ def endpoint_route(endpoint: Endpoint, services: Services, guards: list[Guard]) 
     # Litestar reads the body type from the annotations: each endpoint's own Struct.
     handler.__annotations__ = {"request": Request, "data": JSONBody[endpoint.body_type], "return": Response[Any]}
     handler.__name__ = handler.__qualname__ = f"serve_{endpoint.name.replace('-', '_')}"
-    route = post(endpoint.path, name=endpoint.name, status_code=200, guards=guards, opt={ENDPOINT_OPT: endpoint})
+    route = post(endpoint.path, name=endpoint.name, status_code=200, guards=guards, opt={ERRORS_OPT: endpoint.errors})
     return route(handler)
 
 
@@ -78,7 +78,7 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
     try:
         generation = endpoint.prepare(body, services.context)
     except Exception as exc:
-        return error_response(endpoint, api_error(exc), request)
+        return error_response(endpoint.errors, api_error(exc))
     call = Call(id=endpoint.new_id(), created=int(time.time()), model=services.context.model_name, body=body,
                 generation=generation, tokenizer=services.context.tokenizer)
     return GenerationResponse(Exchange(endpoint, services, call, request))
@@ -147,7 +147,7 @@ class Exchange:
         except Exception as exc:
             if writer.started:
                 raise
-            await self._answer(error_response(self.endpoint, api_error(exc), self.request), writer)
+            await self._answer(error_response(self.endpoint.errors, api_error(exc)), writer)
 
     async def _unary(self, job: asyncio.Future[Completion], watch: ClientWatch, writer: ResponseWriter) -> None:
         await watch.first(job)

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             plans = default_model_crowd(args.max_tokens)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            solo = await run_solo(live.url, plans, live.model_name)
+            solo = await run_solo(live.url, plans, live.model_name, live.endpoints)
             solo_wall = loop.time() - t0
-            crowd = await run_crowd(live.url, plans, live.model_name)
+            crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
             await live.async_engine.wait_until_idle()
             await check_pool_returned(live.url, live.async_engine.audit)
             return {"solo_wall_seconds": round(solo_wall, 2), **crowd.summary(),

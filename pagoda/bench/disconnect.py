@@ -1,8 +1,9 @@
 """`pagoda bench disconnect`: the disconnect bill, per protocol path, on a live server.
 
-For each of the eight paths (four protocols, stream and not) a client asks
-for --max-tokens tokens over a plain socket and closes it --hangup-after
-seconds in. The bill is read from the engine, which this process holds:
+For each path (every endpoint the server registers, stream and not: the four
+built-in protocols, and the installed plugins' that PAGODA_PLUGINS allows) a
+client asks for --max-tokens tokens over a plain socket, its body built by the
+endpoint's client half, and closes it --hangup-after seconds in. The bill is read from the engine, which this process holds:
 
     tokens at close      the request's output tokens when the socket closed
     tokens after close   what it generated after that: the step in flight at
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import socket
 import sys
@@ -27,8 +29,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses",
-         "messages": "/v1/messages"}
+from pagoda.plugins.client import ClientRequest
+from pagoda.plugins.manager import ALLOW_ENV
+from pagoda.plugins.protocol import Endpoint
+
 PROMPT = "Tell me a long story about a pagoda."
 TARGET_STEPS = 2  # decode steps of work after the close
 
@@ -50,17 +54,11 @@ class PathBill:
         return self.finish_reason == "abort" and self.tokens_after_close <= TARGET_STEPS
 
 
-def request_bytes(host: str, protocol: str, max_tokens: int, stream: bool) -> bytes:
+def request_bytes(host: str, endpoint: Endpoint, max_tokens: int, stream: bool) -> bytes:
     """A greedy request that would run its whole budget (ignore_eos), as raw HTTP/1.1."""
-    body: dict[str, Any] = {"model": "default", "stream": stream, "temperature": 0, "ignore_eos": True}
-    if protocol == "completions":
-        body |= {"prompt": PROMPT, "max_tokens": max_tokens}
-    elif protocol == "responses":
-        body |= {"input": PROMPT, "max_output_tokens": max_tokens}
-    else:
-        body |= {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens}
-    data = json.dumps(body).encode()
-    head = (f"POST {PATHS[protocol]} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    ask = ClientRequest(PROMPT, max_tokens, stream=stream, temperature=0.0, ignore_eos=True)
+    data = json.dumps(endpoint.client_request(ask)).encode()
+    head = (f"POST {endpoint.path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\n\r\n")
     return head.encode() + data
 
@@ -76,7 +74,7 @@ def phase_of(request: Any) -> str:
     return "decode" if request.num_output_tokens else "prefill"
 
 
-def measure_path(live: Any, protocol: str, stream: bool, max_tokens: int, hangup_after: float) -> PathBill:
+def measure_path(live: Any, endpoint: Endpoint, stream: bool, max_tokens: int, hangup_after: float) -> PathBill:
     """One request on an idle server, its client closing `hangup_after` seconds in."""
     async_engine = live.async_engine
     engine = async_engine.engine
@@ -85,7 +83,7 @@ def measure_path(live: Any, protocol: str, stream: bool, max_tokens: int, hangup
     host, port = live.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sent = time.monotonic()
-    sock.sendall(request_bytes(host, protocol, max_tokens, stream))
+    sock.sendall(request_bytes(host, endpoint, max_tokens, stream))
     time.sleep(max(0.0, sent + hangup_after - time.monotonic()))
     # Snapshots from this thread: plain ints, good to one step (the step in flight is counted as begun).
     request = next((r for rid, r in dict(engine.requests).items() if rid not in known), None)
@@ -97,8 +95,8 @@ def measure_path(live: Any, protocol: str, stream: bool, max_tokens: int, hangup
     asyncio.run(async_engine.wait_until_idle())
     idle = time.monotonic()
     if request is None:
-        raise RuntimeError(f"{protocol} stream={stream}: the request was not in the engine {hangup_after} s in")
-    return PathBill(path=PATHS[protocol], stream=stream, phase_at_close=phase, tokens_at_close=at_close,
+        raise RuntimeError(f"{endpoint.path} stream={stream}: the request was not in the engine {hangup_after} s in")
+    return PathBill(path=endpoint.path, stream=stream, phase_at_close=phase, tokens_at_close=at_close,
                     tokens_spent=request.num_output_tokens, tokens_after_close=request.num_output_tokens - at_close,
                     steps_after_close=engine.counters.steps_total - steps_at_close,
                     close_to_idle_ms=(idle - closed) * 1000, finish_reason=str(request.finish_reason.value))
@@ -140,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     from pagoda.harness.live_server import live_server
 
     options = dict(device=args.device, dtype=args.dtype, num_blocks=args.num_blocks)
-    with live_server(args.model, "default", environ={"PAGODA_PLUGINS": "none"}, **options) as live:
+    # The plugins `pagoda serve` would load (PAGODA_PLUGINS unset: every installed one).
+    environ = {k: v for k, v in os.environ.items() if k == ALLOW_ENV}
+    with live_server(args.model, "default", environ=environ, **options) as live:
         ms_per_token = decode_ms_per_token(live)
         bills = []
-        for protocol in PATHS:
+        for endpoint in live.endpoints.values():
             for stream in (False, True):
-                runs = [measure_path(live, protocol, stream, args.max_tokens, args.hangup_after)
+                runs = [measure_path(live, endpoint, stream, args.max_tokens, args.hangup_after)
                         for _ in range(args.repeats)]
                 bills.append(max(runs, key=lambda b: (b.tokens_after_close, b.close_to_idle_ms)))
         stats = live.assert_pool_whole()  # idle, audited and whole, asked of the engine loop

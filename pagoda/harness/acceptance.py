@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 
-from pagoda.harness.crowd_client import ClientOutcome, run_client
+from pagoda.harness.crowd_client import ClientOutcome, Endpoints, check_protocols, run_client
 from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.clock import CostModel
 from pagoda.simulator.crowd import ClientPlan
@@ -70,19 +70,23 @@ async def health(http: httpx.AsyncClient) -> dict:
     return response.json()
 
 
-async def run_solo(base_url: str, plans: list[ClientPlan], model: str, headers: dict | None = None) -> dict[str, ClientOutcome]:
+async def run_solo(base_url: str, plans: list[ClientPlan], model: str, endpoints: Endpoints,
+                   headers: dict | None = None) -> dict[str, ClientOutcome]:
     """Each plan alone, one at a time, never hanging up: the baseline."""
+    check_protocols(plans, endpoints)
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         outcomes = {}
         for plan in plans:
-            outcomes[plan.client_id] = await run_client(http, plan.alone(), model, headers)
+            outcomes[plan.client_id] = await run_client(http, plan.alone(), model, endpoints, headers)
         return outcomes
 
 
 async def run_crowd(
-    base_url: str, plans: list[ClientPlan], model: str, headers: dict | None = None, max_connections: int | None = None
+    base_url: str, plans: list[ClientPlan], model: str, endpoints: Endpoints, headers: dict | None = None,
+    max_connections: int | None = None,
 ) -> CrowdReport:
     """All plans at once over one connection pool, each starting at its arrival time."""
+    check_protocols(plans, endpoints)
     limits = httpx.Limits(max_connections=max_connections or len(plans) + 1)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
         before = await health(http)
@@ -90,7 +94,7 @@ async def run_crowd(
         started = time.perf_counter()
         sampler = asyncio.ensure_future(_sample_health(http, gauge))
         try:
-            results = await asyncio.gather(*(_arrive(http, plan, model, headers, gauge) for plan in plans))
+            results = await asyncio.gather(*(_arrive(http, plan, model, endpoints, headers, gauge) for plan in plans))
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -108,12 +112,12 @@ async def run_crowd(
     )
 
 
-async def _arrive(http, plan: ClientPlan, model: str, headers, gauge: _Gauge) -> ClientOutcome:
+async def _arrive(http, plan: ClientPlan, model: str, endpoints: Endpoints, headers, gauge: _Gauge) -> ClientOutcome:
     await asyncio.sleep(plan.arrival)  # the plan's arrival time is part of the workload, not a wait
     gauge.active += 1
     gauge.peak = max(gauge.peak, gauge.active)
     try:
-        return await run_client(http, plan, model, headers)
+        return await run_client(http, plan, model, endpoints, headers)
     finally:
         gauge.active -= 1
 
@@ -215,22 +219,27 @@ TINY_PROMPTS = (
 )
 
 
-def tiny_crowd(max_tokens: int = 40) -> list[ClientPlan]:
-    """12 clients: every protocol streaming and unary, 8 sampled / 4 greedy, 3 that will hang up."""
-    protocols = ("completions", "chat", "responses", "messages")
-    streaming = {0, 1, 2, 3, 8, 9}  # 6 streaming, 6 unary; each protocol both ways
+def tiny_crowd(protocols: Sequence[str], max_tokens: int = 40) -> list[ClientPlan]:
+    """At least 12 clients, at least two per protocol: each protocol streaming and unary, a third greedy,
+    3 that will hang up.
+
+    Client i speaks protocols[i % n] and streams when (i % n + i // n) is even, so each protocol's
+    clients alternate between streaming and unary and half the crowd streams.
+    """
+    n = len(protocols)
     greedy = {0, 5, 10, 7}
     samplers = [dict(temperature=0.8), dict(temperature=1.0, top_k=40), dict(temperature=0.7, top_p=0.9),
                 dict(temperature=0.9, top_k=5, top_p=0.8)]
     plans = []
-    for i, text in enumerate(TINY_PROMPTS):
-        sampling = {} if i in greedy else {**samplers[i % len(samplers)], "seed": 1000 + i}
-        plans.append(ClientPlan(client_id=f"t{i:02d}", arrival=0.004 * i, prompt_text=text, max_tokens=max_tokens,
-                                stream=i in streaming, protocol=protocols[i % 4], **sampling))
+    for i in range(max(12, 2 * n)):
+        sampling = {} if i % 12 in greedy else {**samplers[i % len(samplers)], "seed": 1000 + i}
+        plans.append(ClientPlan(client_id=f"t{i:02d}", arrival=0.004 * i, prompt_text=TINY_PROMPTS[i % 12],
+                                max_tokens=max_tokens, stream=(i % n + i // n) % 2 == 0, protocol=protocols[i % n],
+                                **sampling))
     return plans
 
 
-TINY_HANGUPS = ("t02", "t06", "t11")  # a streaming and two unary clients, three protocols
+TINY_HANGUPS = ("t02", "t06", "t11")  # three clients on three protocols, streaming and unary
 
 
 def with_hangups(plans: list[ClientPlan], solo: dict[str, ClientOutcome], client_ids=TINY_HANGUPS) -> list[ClientPlan]:

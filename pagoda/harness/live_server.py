@@ -21,7 +21,9 @@ from pagoda.model.factory import EngineOptions, build_engine
 from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
+from pagoda.plugins.client import registered_endpoints
 from pagoda.plugins.manager import load_plugins
+from pagoda.plugins.protocol import Endpoint
 
 
 @dataclass
@@ -33,6 +35,7 @@ class LiveServer:
     server: BackgroundServer
     model_name: str
     api_key: str | None = None
+    endpoints: dict[str, Endpoint] = dataclasses.field(default_factory=dict)  # what it serves, by protocol name
 
     def openai(self, **kw: Any):
         import openai
@@ -79,9 +82,11 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     engine, tokenizer, _ = build_engine(options, progress=False)
     async_engine = AsyncEngine(engine)
     settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key)
-    app = create_app(async_engine, tokenizer, load_plugins(environ or {}), settings)
+    plugins = load_plugins(environ or {})
+    app = create_app(async_engine, tokenizer, plugins, settings)
     server = BackgroundServer(app, send_buffer=settings.send_buffer_size).start()
-    return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key)
+    return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key,
+                      endpoints=registered_endpoints(plugins))
 
 
 @contextmanager

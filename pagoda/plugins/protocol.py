@@ -1,18 +1,22 @@
 """What a protocol plugin implements, and what the server hands it.
 
 A protocol endpoint is one HTTP route (say POST /v1/chat/completions). It
-declares the msgspec Struct its JSON body decodes into and four steps:
+declares the msgspec Struct its JSON body decodes into, three steps, and the
+error shape of its protocol family:
 
     prepare(body, ctx)            -> Generation    the engine request (prompt ids, sampling params)
     render(call, completion)      -> dict          the unary response body
     render_stream(call, outputs)  -> Events        the stream, from the engine's outputs
-    render_error(error)           -> dict          an error body in the protocol's own shape
+    errors: ErrorShape                             error bodies and stream-error events, shared by a family
+
+and its client half (pagoda/plugins/client.py): `client_request` and
+`client_answer`, how a client asks this route and reads what it answers.
 
 Everything else is the server's (pagoda.api): decoding and validating the
 body, the API key, calling the engine, the disconnect race and the abort,
-turning exceptions into `render_error` bodies with the right status, encoding
-events as SSE or NDJSON, metrics and the access log. So a protocol module
-holds only its wire format.
+turning exceptions into `ApiError`s rendered by the route's ErrorShape with
+the right status, encoding events as SSE or NDJSON, metrics and the access
+log. So a protocol module holds only its wire format.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from __future__ import annotations
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.core.outputs import SampledToken
 from pagoda.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.plugins.client import ClientAnswer, ClientRequest
 
 
 class RequestError(ValueError):
@@ -63,9 +70,10 @@ def join_text_parts(content: Any, field: str, text_types: Sequence[str] = ("text
 
 
 def make_sampling_params(renames: Mapping[str, str] | None = None, **fields: Any) -> SamplingParams:
-    """SamplingParams(**fields); a ValueError becomes a RequestError naming the protocol's field."""
+    """SamplingParams(**fields), a None field taking its default; a ValueError becomes a RequestError naming the
+    protocol's field (`renames`: SamplingParams' name -> the protocol's)."""
     try:
-        return SamplingParams(**fields)
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     except ValueError as exc:  # SamplingParams' messages start with the field's name
         name, _, why = str(exc).partition(" ")
         param = (renames or {}).get(name, name)
@@ -164,12 +172,34 @@ class Event:
     name: str | None = None
 
 
+class ErrorShape:
+    """How one protocol family writes an error: a body for a status, and the events that end a broken stream.
+
+    A family's endpoints share one instance (OpenAI's three endpoints: OPENAI_ERRORS); a route
+    that belongs to no protocol answers in its owner's shape, or in OpenAI's by default.
+    """
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        """An error body in the family's own shape."""
+        raise NotImplementedError
+
+    def render_stream_error(self, error: ApiError) -> list[Event]:
+        """Events that report a failure after the stream began (the status line has gone out)."""
+        return [Event(self.render_error(error), name="error")]
+
+    def read_error(self, status: int, body: Any) -> ApiError:
+        """The client half: an error body of this shape read back (status, message and what else it carries)."""
+        raise NotImplementedError
+
+
 class Endpoint:
-    """One protocol route; subclass it, set the class attributes and implement the four steps."""
+    """One protocol route; subclass it, set the class attributes and implement the three steps."""
 
     name: ClassVar[str]  # unique, e.g. "openai-chat"
+    protocol: ClassVar[str]  # unique, the short name crowd plans use, e.g. "chat"
     path: ClassVar[str]  # e.g. "/v1/chat/completions" (always POST)
     body_type: ClassVar[type]  # a msgspec.Struct the JSON body decodes into
+    errors: ClassVar[ErrorShape]  # the family's error shape, e.g. OPENAI_ERRORS
     id_prefix: ClassVar[str] = ""  # e.g. "chatcmpl-"
     stream_format: ClassVar[Literal["sse", "ndjson"]] = "sse"
 
@@ -190,9 +220,14 @@ class Endpoint:
         raise NotImplementedError
 
     def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
-        """Events that report a failure after the stream began (the status line has gone out)."""
-        return [Event(self.render_error(error), name="error")]
+        """Events that report a failure after the stream began: the family's, unless the call shapes them."""
+        return self.errors.render_stream_error(error)
 
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        """An error body in the protocol's own shape."""
+    # -- the client half ----------------------------------------------------
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        """The JSON body a client sends this route for a generic request."""
+        raise NotImplementedError
+
+    def client_answer(self) -> ClientAnswer:
+        """A fresh accumulator for one answer from this route (a unary body or the stream's events)."""
         raise NotImplementedError

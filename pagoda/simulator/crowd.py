@@ -3,6 +3,11 @@
 One format serves the simulator and the live acceptance harness: a plan says
 when a client arrives, what it asks, how it samples, whether it streams, which
 protocol it speaks (live runs only) and when, if ever, it hangs up.
+
+A plan's `protocol` is the name of a registered endpoint's protocol
+("completions", "chat", "responses", "messages", or a plugin's, such as
+"ollama-chat"). The simulator does not speak protocols, so it only checks the
+name is a string; the live harness resolves it against the server's endpoints.
 """
 
 from __future__ import annotations
@@ -14,9 +19,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from pagoda.core.sampling_params import SamplingParams
-
-PROTOCOLS = ("completions", "chat", "responses", "messages")
-
 
 @dataclass(frozen=True)
 class ClientPlan:
@@ -32,14 +34,14 @@ class ClientPlan:
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False
-    protocol: str | None = None  # live runs: one of PROTOCOLS
+    protocol: str | None = None  # live runs: a registered endpoint's protocol name
     hangup_after: float | None = None  # seconds after arrival; None = stays
 
     def __post_init__(self) -> None:
         if self.prompt is not None:
             object.__setattr__(self, "prompt", tuple(self.prompt))
-        if self.protocol is not None and self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.protocol is not None and not (isinstance(self.protocol, str) and self.protocol):
+            raise ValueError(f"protocol must be an endpoint's protocol name, got {self.protocol!r}")
         if self.hangup_after is not None and self.hangup_after < 0:
             raise ValueError(f"hangup_after must be >= 0, got {self.hangup_after}")
         self.sampling_params()  # validate the sampling fields now

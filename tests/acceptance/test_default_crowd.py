@@ -21,8 +21,8 @@ def default_run(default_model_dir):
                      max_batched_tokens=256, max_model_len=2048) as live:
         async def run():
             plans = default_model_crowd()
-            solo = await run_solo(live.url, plans, live.model_name)
-            crowd = await run_crowd(live.url, plans, live.model_name)
+            solo = await run_solo(live.url, plans, live.model_name, live.endpoints)
+            crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
             await asyncio.wait_for(live.async_engine.wait_until_idle(), 60)
             stats = await check_pool_returned(live.url, live.async_engine.audit)
             return plans, solo, crowd, stats

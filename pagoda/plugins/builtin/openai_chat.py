@@ -9,19 +9,10 @@ import msgspec
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import (
-    ApiError,
-    Call,
-    Completion,
-    Endpoint,
-    Event,
-    Generation,
-    RequestError,
-    ServeContext,
-    join_text_parts,
-    make_sampling_params,
-)
+from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
+from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
 
 
 class ContentPart(msgspec.Struct):
@@ -47,22 +38,17 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
     """Messages as the chat template reads them: a role and plain-text content."""
     if not messages:
         raise RequestError(f"{field} must hold at least one message", field)
-    out = []
-    for i, m in enumerate(messages):
-        role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": message_text(m.content, f"{field}[{i}].content")})
-    return out
-
-
-def message_text(content: str | list[ContentPart] | None, field: str) -> str:
-    return join_text_parts(content, field)
+    return [oc.template_message(m.role, join_text_parts(m.content, f"{field}[{i}].content"))
+            for i, m in enumerate(messages)]
 
 
 class ChatCompletions(Endpoint):
     name = "openai-chat"
+    protocol = "chat"
     path = "/v1/chat/completions"
     body_type = ChatRequest
     id_prefix = "chatcmpl-"
+    errors = oc.OPENAI_ERRORS
 
     def prepare(self, body: ChatRequest, ctx: ServeContext) -> Generation:
         if body.top_logprobs is not None and not body.logprobs:
@@ -72,7 +58,7 @@ class ChatCompletions(Endpoint):
         params = make_sampling_params(
             max_tokens=max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            **oc.sampling_fields(body),
+            **body.sampling_fields(),
         )
         return Generation(ids, params, stream=body.stream)
 
@@ -88,13 +74,9 @@ class ChatCompletions(Endpoint):
             "model": call.model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
         }
-        if self._include_usage(call):
+        if call.body.include_usage:
             chunk["usage"] = None
         return chunk
-
-    @staticmethod
-    def _include_usage(call: Call) -> bool:
-        return call.body.stream_options is not None and call.body.stream_options.include_usage
 
     def render(self, call: Call, completion: Completion) -> dict[str, Any]:
         return {
@@ -121,18 +103,22 @@ class ChatCompletions(Endpoint):
         if last is None:
             return
         yield Event(self._chunk(call, {}, oc.finish_reason(last.finish_reason)))
-        if self._include_usage(call):
-            chunk = self._chunk(call, {}, None)
-            chunk["choices"] = []
-            chunk["usage"] = oc.usage(last.num_prompt_tokens, last.num_output_tokens)
-            yield Event(chunk)
+        if call.body.include_usage:
+            yield Event(oc.usage_chunk(self._chunk(call, {}, None), last))
         yield Event("[DONE]")
 
-    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
-        return [Event(oc.error_body(error))]
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        return {**oc.client_fields(ask), "messages": [{"role": "user", "content": ask.prompt}]}
 
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        return oc.error_body(error)
+    def client_answer(self) -> ChatAnswer:
+        return ChatAnswer()
+
+
+class ChatAnswer(oc.ChoicesAnswer):
+    """A client's view of a chat completion: the message's content, or each chunk's delta."""
+
+    def choice_text(self, choice: dict[str, Any], unary: bool) -> str:
+        return (choice["message"] if unary else choice["delta"]).get("content") or ""
 
 
 @hookimpl

@@ -1,4 +1,5 @@
-"""What the three OpenAI endpoints share: sampling fields, errors, usage, logprobs, finish reasons."""
+"""What the three OpenAI endpoints share: sampling fields, roles, errors, usage, logprobs, finish reasons, model cards,
+and the client half's common parts (the request fields, reading `choices`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import msgspec
 from pagoda.core.request import FinishReason
 from pagoda.core.outputs import SampledToken
 from pagoda.core.sampling_params import SamplingParams
-from pagoda.plugins.protocol import ApiError, Call, RequestError
+from pagoda.plugins.hookspecs import hookimpl
+from pagoda.core.outputs import RequestOutput
+from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
+from pagoda.plugins.protocol import ApiError, Call, ErrorShape, Event, RequestError
+from pagoda.plugins.route import ServedModel
 
 # Value ranges are declared on the fields, so a bad value is refused while decoding, naming the field.
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -21,32 +26,54 @@ TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+Stop = str | Annotated[list[str], msgspec.Meta(max_length=16)]  # non-empty: SamplingParams checks it
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Sampling fields of completions and chat, with the extensions OpenAI's schema lacks."""
+class Sampling(msgspec.Struct, kw_only=True):
+    """The sampling fields of all three OpenAI bodies, with the extensions OpenAI's schema lacks."""
 
     model: str
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: PositiveInt = 1
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
-    user: str | None = None
+    stop: Stop | None = None  # an extension on /v1/responses
+    seed: int | None = None  # likewise
     # Extensions (as vLLM accepts them):
     top_k: TopK = 0  # 0 or -1 = off
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """These fields as SamplingParams keywords (a None takes SamplingParams' default)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                    seed=self.seed, stop=self.stop, repetition_penalty=self.repetition_penalty,
+                    ignore_eos=self.ignore_eos)
+
+
+class SamplingFields(Sampling, kw_only=True):
+    """What completions and chat add: n, usage in the stream, OpenAI's penalties and logit bias."""
+
+    n: PositiveInt = 1
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
+    user: str | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        check_n(self.n)
+        return dict(super().sampling_fields(), presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, logit_bias=logit_bias(self.logit_bias))
+
+    @property
+    def include_usage(self) -> bool:
+        """The stream ends with a chunk holding only the usage (stream_options.include_usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 def check_n(n: int) -> None:
@@ -55,18 +82,8 @@ def check_n(n: int) -> None:
         raise RequestError("n must be 1: pagoda returns one choice per request; send n requests instead", "n")
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > 16:
-        raise RequestError("stop may hold at most 16 sequences", "stop")
-    if not all(stops):
-        raise RequestError("stop sequences must be non-empty strings", "stop")
-    return stops
-
-
 def logit_bias(raw: Mapping[str, float] | None) -> dict[int, float]:
+    """Token id -> bias; JSON object keys are strings, so each must read as an id."""
     if not raw:
         return {}
     try:
@@ -75,22 +92,9 @@ def logit_bias(raw: Mapping[str, float] | None) -> dict[int, float]:
         raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
 
 
-def sampling_fields(body: SamplingFields) -> dict[str, Any]:
-    """The SamplingParams keywords common to completions and chat."""
-    check_n(body.n)
-    return dict(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k, 0),
-        min_p=body.min_p,
-        seed=body.seed,
-        stop=stop_strings(body.stop),
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        ignore_eos=body.ignore_eos,
-        logit_bias=logit_bias(body.logit_bias),
-    )
+def template_message(role: str, text: str) -> dict[str, str]:
+    """One message as the chat template reads it: OpenAI's `developer` role is the template's `system`."""
+    return {"role": "system" if role == "developer" else role, "content": text}
 
 
 def finish_reason(reason: FinishReason) -> str:
@@ -105,23 +109,35 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-                404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error"}
-_ERROR_CODES = {401: "invalid_api_key", 404: "not_found"}
+def usage_chunk(chunk: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
+    """The stream's last chunk under include_usage: no choices, the request's usage."""
+    return {**chunk, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens)}
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    kind = _ERROR_TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
-    return {
-        "error": {
-            "message": error.message,
-            "type": kind,
-            "param": error.param,
-            "code": error.code or _ERROR_CODES.get(error.status),
-        }
-    }
+class OpenAIErrors(ErrorShape):
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; a stream error is a data event."""
+
+    # HTTP status -> (type, code); any other 4xx is an invalid request, any other 5xx a server error.
+    TYPES = {400: ("invalid_request_error", None), 401: ("invalid_request_error", "invalid_api_key"),
+             403: ("permission_error", None), 404: ("invalid_request_error", "not_found"),
+             413: ("invalid_request_error", "request_too_large"), 415: ("invalid_request_error", None),
+             422: ("invalid_request_error", None), 429: ("rate_limit_error", "rate_limit_exceeded"),
+             431: ("invalid_request_error", None)}
+
+    def render_error(self, error: ApiError) -> dict[str, Any]:
+        default = ("server_error", None) if error.status >= 500 else ("invalid_request_error", None)
+        kind, code = self.TYPES.get(error.status, default)
+        return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code or code}}
+
+    def render_stream_error(self, error: ApiError) -> list[Event]:
+        return [Event(self.render_error(error))]  # a data: object with "error" makes the SDK raise
+
+    def read_error(self, status: int, body: Any) -> ApiError:
+        error = body["error"]
+        return ApiError(status, error["message"], error.get("param"), error.get("code"))
+
+
+OPENAI_ERRORS = OpenAIErrors()
 
 
 def token_logprob(call: Call, token_id: int, logprob: float) -> dict[str, Any]:
@@ -154,8 +170,51 @@ def completion_logprobs(call: Call, tokens: Sequence[SampledToken], text_offset:
     }
 
 
+# -- the client half ---------------------------------------------------------------------------
+def client_fields(ask: ClientRequest) -> dict[str, Any]:
+    """The body fields of a generic request that completions and chat share; a stream asks for its usage."""
+    body = {**ask.sampling_fields(), "max_tokens": ask.max_tokens}
+    if ask.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+class ChoicesAnswer(ClientAnswer):
+    """Completions and chat answers: `choices[0]` and `usage`, in one body or over chunks ending with [DONE]."""
+
+    def choice_text(self, choice: dict[str, Any], unary: bool) -> str:
+        """The text a choice carries (a unary body's whole text, or a chunk's delta)."""
+        raise NotImplementedError
+
+    def unary(self, body: dict[str, Any]) -> None:
+        choice = body["choices"][0]
+        self.parts.append(self.choice_text(choice, unary=True))
+        self.finish_reason = choice["finish_reason"]
+        self._usage(body["usage"])
+
+    def event(self, data: Any) -> None:
+        if data == "[DONE]":
+            return
+        if "error" in data:
+            raise ClientError(data["error"]["message"])
+        for choice in data["choices"]:
+            self.parts.append(self.choice_text(choice, unary=False))
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if data.get("usage"):
+            self._usage(data["usage"])
+
+    def _usage(self, usage: dict[str, int]) -> None:
+        self.prompt_tokens, self.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+
+
 def _finite(value: float | None) -> float:
     # JSON has no -inf; a token the filters made impossible still needs a number.
     if value is None or value != value:
         return -9999.0
     return max(value, -9999.0)
+
+
+@hookimpl
+def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's fields of the model card (client.models.list and retrieve read them)."""
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "pagoda"}

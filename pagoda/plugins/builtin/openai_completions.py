@@ -7,18 +7,10 @@ from typing import Any
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import (
-    ApiError,
-    Call,
-    Completion,
-    Endpoint,
-    Event,
-    Generation,
-    RequestError,
-    ServeContext,
-    make_sampling_params,
-)
+from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
+from pagoda.plugins.protocol import Generation, RequestError, ServeContext, make_sampling_params
 
 
 class CompletionRequest(oc.SamplingFields, kw_only=True):
@@ -46,9 +38,11 @@ def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[int]:
 
 class Completions(Endpoint):
     name = "openai-completions"
+    protocol = "completions"
     path = "/v1/completions"
     body_type = CompletionRequest
     id_prefix = "cmpl-"
+    errors = oc.OPENAI_ERRORS
 
     def prepare(self, body: CompletionRequest, ctx: ServeContext) -> Generation:
         if body.best_of not in (None, 1):
@@ -61,7 +55,7 @@ class Completions(Endpoint):
         params = make_sampling_params(
             max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
             logprobs=body.logprobs,
-            **oc.sampling_fields(body),
+            **body.sampling_fields(),
         )
         return Generation(ids, params, stream=body.stream)
 
@@ -107,18 +101,22 @@ class Completions(Endpoint):
             if out.new_text or out.logprobs or reason:
                 yield Event(self._chunk(call, out.new_text, reason, self._logprobs(call, out.logprobs, offset)))
                 offset += len(out.new_text)
-        if call.body.stream_options is not None and call.body.stream_options.include_usage and last is not None:
-            chunk = self._chunk(call, "", None, None)
-            chunk["choices"] = []
-            chunk["usage"] = oc.usage(last.num_prompt_tokens, last.num_output_tokens)
-            yield Event(chunk)
+        if call.body.include_usage and last is not None:
+            yield Event(oc.usage_chunk(self._chunk(call, "", None, None), last))
         yield Event("[DONE]")
 
-    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
-        return [Event(oc.error_body(error))]  # a data: object with "error" makes the client raise
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        return {**oc.client_fields(ask), "prompt": ask.prompt}
 
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        return oc.error_body(error)
+    def client_answer(self) -> CompletionAnswer:
+        return CompletionAnswer()
+
+
+class CompletionAnswer(oc.ChoicesAnswer):
+    """A client's view of a completion: each choice's `text`."""
+
+    def choice_text(self, choice: dict[str, Any], unary: bool) -> str:
+        return choice.get("text") or ""
 
 
 @hookimpl

@@ -19,19 +19,10 @@ import msgspec
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import (
-    ApiError,
-    Call,
-    Completion,
-    Endpoint,
-    Event,
-    Generation,
-    RequestError,
-    ServeContext,
-    join_text_parts,
-    make_sampling_params,
-)
+from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, Event
+from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
 
 
 class InputContent(msgspec.Struct):
@@ -45,24 +36,13 @@ class InputItem(msgspec.Struct):
     type: str = "message"
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    model: str
+class ResponsesRequest(oc.Sampling, kw_only=True):
     input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: oc.PositiveInt | None = None
-    temperature: oc.Temperature | None = None
-    top_p: oc.TopP | None = None
     top_logprobs: oc.TopLogprobs | None = None
-    stream: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
-    # Extensions (not in OpenAI's schema; sent as extra body):
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    top_k: oc.TopK = 0  # 0 or -1 = off
-    min_p: oc.MinP = 0.0
-    repetition_penalty: oc.RepetitionPenalty = 1.0
-    ignore_eos: bool = False
 
 
 def conversation(body: ResponsesRequest) -> list[dict[str, str]]:
@@ -76,20 +56,18 @@ def conversation(body: ResponsesRequest) -> list[dict[str, str]]:
         if item.type != "message":
             raise RequestError(f"input[{i}]: only message items are supported, got type {item.type!r}",
                                f"input[{i}].type")
-        role = "system" if item.role == "developer" else item.role
-        messages.append({"role": role, "content": _item_text(item.content, f"input[{i}].content")})
+        text = join_text_parts(item.content, f"input[{i}].content", ("input_text", "output_text", "text"))
+        messages.append(oc.template_message(item.role, text))
     return messages
-
-
-def _item_text(content: str | list[InputContent] | None, field: str) -> str:
-    return join_text_parts(content, field, ("input_text", "output_text", "text"))
 
 
 class Responses(Endpoint):
     name = "openai-responses"
+    protocol = "responses"
     path = "/v1/responses"
     body_type = ResponsesRequest
     id_prefix = "resp_"
+    errors = oc.OPENAI_ERRORS
 
     def prepare(self, body: ResponsesRequest, ctx: ServeContext) -> Generation:
         if body.previous_response_id is not None:
@@ -99,15 +77,8 @@ class Responses(Endpoint):
         params = make_sampling_params(
             {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
             max_tokens=body.max_output_tokens or ctx.default_max_tokens(len(ids)),
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=max(body.top_k, 0),
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            ignore_eos=body.ignore_eos,
-            seed=body.seed,
-            stop=oc.stop_strings(body.stop),
             logprobs=body.top_logprobs,
+            **body.sampling_fields(),
         )
         return Generation(ids, params, stream=body.stream)
 
@@ -189,11 +160,36 @@ class Responses(Endpoint):
 
     def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
         # A top-level "error" object makes the SDK raise mid-stream.
-        body = oc.error_body(error)["error"]
+        body = self.errors.render_error(error)["error"]
         return [self._event(call, "error", code=body["code"], message=body["message"], param=body["param"], error=body)]
 
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        return oc.error_body(error)
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        return {**ask.sampling_fields(), "input": ask.prompt, "max_output_tokens": ask.max_tokens}
+
+    def client_answer(self) -> ResponseAnswer:
+        return ResponseAnswer()
+
+
+class ResponseAnswer(ClientAnswer):
+    """A client's view of a response: the output text, its status, the usage of the final response."""
+
+    def unary(self, body: dict[str, Any]) -> None:
+        self.parts.append("".join(c["text"] for item in body["output"] for c in item.get("content", [])))
+        self._final(body)
+
+    def event(self, data: Any) -> None:
+        kind = data["type"]
+        if kind == "error":
+            raise ClientError(data["message"])
+        if kind == "response.output_text.delta":
+            self.parts.append(data["delta"])
+        elif kind == "response.completed":
+            self._final(data["response"])
+
+    def _final(self, response: dict[str, Any]) -> None:
+        self.finish_reason = "length" if response["status"] == "incomplete" else "stop"
+        self.prompt_tokens = response["usage"]["input_tokens"]
+        self.output_tokens = response["usage"]["output_tokens"]
 
 
 def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
