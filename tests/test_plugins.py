@@ -3,9 +3,15 @@
 import json
 from importlib import metadata
 
+import httpx
 import pytest
+from litestar.params import FromPath
 
+from pagoda.api.app import create_app
+from pagoda.api.server import BackgroundServer
+from pagoda.api.settings import ServeSettings
 from pagoda.cli.main import main as cli_main
+from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins import hookimpl
 from pagoda.plugins.builtin.disconnect_abort import AbortOnDisconnect
 from pagoda.plugins.disconnect import DisconnectPolicy
@@ -14,12 +20,17 @@ from pagoda.plugins.manager import (
     PluginError,
     collect_disconnect_policies,
     collect_endpoints,
+    collect_model_card,
+    collect_routes,
     describe_plugins,
     load_plugins,
 )
-from pagoda.plugins.protocol import Endpoint
+from pagoda.plugins.protocol import Endpoint, ErrorShape, RequestError
+from pagoda.plugins.route import Route, ServedModel
+from tests.core_helpers import fake_engine
 
 BUILTIN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+BUILTIN_ROUTES = {"GET /", "GET /v1/models", "GET /v1/models/{model_id:str}"}
 
 
 def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():
@@ -32,6 +43,34 @@ def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():
     assert infos["pagoda.plugins.builtin.openai_chat"].origin == "built-in"
     assert infos["pagoda.plugins.builtin.openai_chat"].hooks == ("pagoda_register_protocols",)
     assert infos["pagoda.plugins.builtin.openai_chat"].provides == ("POST /v1/chat/completions (openai-chat)",)
+    assert {r.method_path for r in collect_routes(pm)} == BUILTIN_ROUTES
+    assert infos["pagoda.plugins.builtin.models"].provides == (
+        "GET /v1/models", "GET /v1/models/{model_id:str}", "model card fields: max_model_len")
+    assert infos["pagoda.plugins.builtin.chat_page"].provides == ("GET /",)
+
+
+def test_each_protocol_family_adds_its_own_fields_to_the_model_card():
+    pm = load_plugins({"PAGODA_PLUGINS": "none"})
+    card = collect_model_card(pm, ServedModel(name="m", created=1_700_000_000, max_model_len=512))
+    assert card == {"id": "m", "object": "model", "created": 1_700_000_000, "owned_by": "pagoda",  # OpenAI's
+                    "type": "model", "display_name": "m", "created_at": "2023-11-14T22:13:20Z",  # Anthropic's
+                    "max_model_len": 512}  # pagoda's
+    infos = {i.name: i for i in describe_plugins(pm)}
+    assert infos["pagoda.plugins.builtin.openai_common"].provides == ("model card fields: id, object, created, owned_by",)
+    assert "model card fields: id, type, display_name, created_at" in infos[
+        "pagoda.plugins.builtin.anthropic_messages"].provides
+
+
+def test_two_plugins_giving_one_card_field_two_values_are_refused():
+    class Liar:
+        @hookimpl
+        def pagoda_model_card(self, model):
+            return {"owned_by": "someone else"}
+
+    pm = load_plugins({"PAGODA_PLUGINS": "none"})
+    pm.register(Liar(), name="liar")
+    with pytest.raises(PluginError, match="'owned_by' two values: 'pagoda' and 'someone else'"):
+        collect_model_card(pm, ServedModel(name="m", created=0, max_model_len=1))
 
 
 def test_the_example_plugin_is_installed_and_loaded_through_its_entry_point():
@@ -107,6 +146,59 @@ def test_two_endpoints_on_one_path_are_refused():
         collect_endpoints(pm)
 
 
+class TeapotErrors(ErrorShape):
+    def render_error(self, error):
+        return {"teapot": error.message, "status": error.status}
+
+
+def _whoami(ctx):
+    async def whoami(request_id: FromPath[int]) -> dict:
+        """The served model's name, or a refusal of odd ids in the route's own shape."""
+        if request_id % 2:
+            raise RequestError(f"odd id {request_id}", "request_id", status=418)
+        return {"model": ctx.model.name, "card_id": ctx.card["id"], "request_id": request_id}
+
+    return whoami
+
+
+class RoutePlugin:
+    @hookimpl
+    def pagoda_register_routes(self, register):
+        register(Route("GET", "/whoami/{request_id:int}", _whoami, errors=TeapotErrors()))
+
+
+def test_a_plugin_route_is_served_with_its_context_its_guard_and_its_error_shape():
+    pm = load_plugins({"PAGODA_PLUGINS": "none"})
+    pm.register(RoutePlugin(), name="routes")
+    try:
+        assert {i.name: i for i in describe_plugins(pm)}["routes"].provides == ("GET /whoami/{request_id:int}",)
+        settings = ServeSettings(served_model_name="served", api_key="sekret")
+        with BackgroundServer(create_app(AsyncEngine(fake_engine()), None, pm, settings)) as server:
+            key = {"Authorization": "Bearer sekret"}
+            r = httpx.get(f"{server.url}/whoami/4", headers=key, timeout=60)
+            assert r.status_code == 200 and r.json() == {"model": "served", "card_id": "served", "request_id": 4}
+            r = httpx.get(f"{server.url}/whoami/3", headers=key, timeout=60)
+            assert r.status_code == 418 and r.json() == {"teapot": "odd id 3", "status": 418}
+            r = httpx.get(f"{server.url}/whoami/4", timeout=60)  # guarded: the API key is checked first
+            assert r.status_code == 401 and "API key" in r.json()["teapot"]
+            assert httpx.get(f"{server.url}/", timeout=60).status_code == 200  # the chat page is open
+            assert httpx.get(f"{server.url}/v1/models", timeout=60).status_code == 401
+    finally:
+        pm.unregister(name="routes")
+
+
+def test_two_routes_on_one_method_and_path_are_refused():
+    class Clash:
+        @hookimpl
+        def pagoda_register_routes(self, register):
+            register(Route("GET", "/v1/models", _whoami))
+
+    pm = load_plugins({"PAGODA_PLUGINS": "none"})
+    pm.register(Clash(), name="clash")
+    with pytest.raises(PluginError, match="two routes share the method_path 'GET /v1/models'"):
+        collect_routes(pm)
+
+
 def test_the_plugins_command_lists_plugins_hooks_and_origins(capsys, monkeypatch):
     monkeypatch.setenv("PAGODA_PLUGINS", "ollama")
     assert cli_main(["plugins", "--json"]) == 0
@@ -117,3 +209,4 @@ def test_the_plugins_command_lists_plugins_hooks_and_origins(capsys, monkeypatch
     assert cli_main(["plugins"]) == 0
     text = capsys.readouterr().out
     assert "ollama  (pagoda-ollama" in text and "POST /api/chat (ollama-chat)" in text
+    assert "    GET /v1/models/{model_id:str}" in text and "    GET /\n" in text

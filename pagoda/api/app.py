@@ -1,35 +1,48 @@
-"""The Litestar application: protocol endpoints from the plugins, health, metrics, auth, access log.
+"""The Litestar application: protocol endpoints and routes from the plugins, health, metrics, auth, OpenAPI.
 
 `create_app` bridges the plugin registry to Litestar: every Endpoint that a
 plugin registers becomes a POST route running the shared handler in
-pagoda.api.generation. The app owns the engine loop's lifetime: it starts
+pagoda.api.generation, and every Route (pagoda/plugins/route.py) a handler
+made from one RouteContext, with the API key guard and the error shape it
+declares. The OpenAPI schema of all of them is served at /schema (JSON, as at
+/schema/openapi.json) and drawn by Swagger UI at /schema/swagger, whose
+scripts come from a CDN. The app owns the engine loop's lifetime: it starts
 the loop at start-up and stops it at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pluggy
-from litestar import Litestar
+from litestar import Litestar, route
 from litestar.exceptions import HTTPException
+from litestar.handlers import HTTPRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.types import Guard
 
+from pagoda import __version__
 from pagoda.api.access_log import access_log_middleware
 from pagoda.api.auth import api_key_guard
-from pagoda.api.errors import handle_exception
+from pagoda.api.errors import ERRORS_OPT, handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
 from pagoda.api.metrics import Metrics
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
-from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints
+from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints, collect_model_card, collect_routes
 from pagoda.plugins.protocol import ServeContext
+from pagoda.plugins.route import Route, RouteContext, ServedModel
+
+SCHEMA_PATH = "/schema"
 
 
 def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy.PluginManager,
                settings: ServeSettings) -> Litestar:
-    """A Litestar app serving `async_engine` with the protocols the plugins register."""
+    """A Litestar app serving `async_engine` with the protocols and routes the plugins register."""
     policies = collect_disconnect_policies(plugin_manager)
     if settings.disconnect_policy not in policies:
         raise ValueError(f"disconnect_policy {settings.disconnect_policy!r} is not registered"
@@ -39,9 +52,12 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                            max_model_len=config.max_model_len, max_kv_tokens=config.num_slots)
     services = Services(engine=async_engine, context=context, metrics=Metrics(),
                         policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout)
+    served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len)
+    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served))
     guards = [api_key_guard(settings.api_key)] if settings.api_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
-    routes += health_routes(services, settings.health_timeout, guards)
+    routes += [plugin_route(r, route_context, guards) for r in collect_routes(plugin_manager)]
+    routes += health_routes(services, settings.health_timeout)
 
     def start_engine() -> None:
         if not async_engine.is_running:
@@ -56,9 +72,24 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
         on_shutdown=[stop_engine],
         exception_handlers={HTTPException: handle_exception, Exception: handle_exception},
         middleware=[access_log_middleware],
-        openapi_config=None,
+        openapi_config=openapi_config(),
         logging_config=None,
     )
     app.state.services = services
     app.state.settings = settings
     return app
+
+
+def plugin_route(plugin: Route, context: RouteContext, guards: list[Guard]) -> HTTPRouteHandler:
+    """The Litestar handler of a plugin's Route: made from `context`, guarded and shaped as it declares."""
+    decorate = route(plugin.path, http_method=[plugin.method], media_type=plugin.media_type, cache=False,
+                     guards=guards if plugin.guarded else [], opt={ERRORS_OPT: plugin.errors})
+    return decorate(plugin.make(context))
+
+
+def openapi_config() -> OpenAPIConfig:
+    """The schema from the handlers' own types (each endpoint's body Struct): JSON at /schema, a UI beside it."""
+    return OpenAPIConfig(
+        title="pagoda", version=__version__, path=SCHEMA_PATH, use_handler_docstrings=True,
+        render_plugins=[JsonRenderPlugin(path=["/", "/openapi.json"]), SwaggerRenderPlugin(path="/swagger")],
+    )

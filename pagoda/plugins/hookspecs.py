@@ -8,19 +8,22 @@ can add several things, or none.
 A protocol's own steps (body -> engine request, unary body, stream events,
 error body) are the methods of the `Endpoint` it registers
 (pagoda/plugins/protocol.py), not hooks: hooks are called on every plugin,
-while each of those steps belongs to exactly one route.
+while each of those steps belongs to exactly one route. Routes that are not
+generation endpoints (the model list, the chat page) are `Route`s
+(pagoda/plugins/route.py), built by the server from a RouteContext.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pluggy import HookimplMarker, HookspecMarker
 
 if TYPE_CHECKING:
     from pagoda.plugins.disconnect import DisconnectPolicy
     from pagoda.plugins.protocol import Endpoint
+    from pagoda.plugins.route import Route, ServedModel
 
 hookspec = HookspecMarker("pagoda")
 hookimpl = HookimplMarker("pagoda")
@@ -34,3 +37,13 @@ def pagoda_register_protocols(register: Callable[[Endpoint], None]) -> None:
 @hookspec
 def pagoda_register_disconnect_policies(register: Callable[[DisconnectPolicy], None]) -> None:
     """Register policies for a request whose client went away (chosen by --disconnect-policy)."""
+
+
+@hookspec
+def pagoda_register_routes(register: Callable[[Route], None]) -> None:
+    """Register HTTP routes that are not generation endpoints (a listing, a page), each a Route."""
+
+
+@hookspec
+def pagoda_model_card(model: ServedModel) -> dict[str, Any] | None:
+    """Fields this plugin's protocol family adds to the served model's card (GET /v1/models); merged."""

@@ -23,6 +23,7 @@ import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from importlib import metadata
 
 import pluggy
@@ -30,21 +31,25 @@ import pluggy
 from pagoda.plugins import hookspecs
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.protocol import Endpoint
+from pagoda.plugins.route import Route, ServedModel
 
 BUILTIN_PLUGINS = (
+    "pagoda.plugins.builtin.openai_common",  # the OpenAI family's model card fields
     "pagoda.plugins.builtin.openai_completions",
     "pagoda.plugins.builtin.openai_chat",
     "pagoda.plugins.builtin.openai_responses",
     "pagoda.plugins.builtin.anthropic_messages",
     "pagoda.plugins.builtin.disconnect_abort",
     "pagoda.plugins.builtin.disconnect_finish",
+    "pagoda.plugins.builtin.models",
+    "pagoda.plugins.builtin.chat_page",
 )
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"
 
 
 class PluginError(RuntimeError):
-    """A plugin could not be loaded, or two plugins claim the same name or route."""
+    """A plugin could not be loaded, or two plugins claim the same name, route or card field."""
 
 
 def new_manager() -> pluggy.PluginManager:
@@ -110,7 +115,7 @@ def describe_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
 
 
 def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
-    """Plugin name -> what each of its registration hooks registers (each impl called on its own)."""
+    """Plugin name -> what each of its registration and card hooks gives (each impl called on its own)."""
     found: dict[str, list[str]] = {}
     for impl in pm.hook.pagoda_register_protocols.get_hookimpls():
         endpoints: list[Endpoint] = []
@@ -120,6 +125,13 @@ def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
         policies: list[DisconnectPolicy] = []
         impl.function(register=policies.append)
         found.setdefault(impl.plugin_name, []).extend(f"disconnect policy {p.name!r}" for p in policies)
+    for impl in pm.hook.pagoda_register_routes.get_hookimpls():
+        routes: list[Route] = []
+        impl.function(register=routes.append)
+        found.setdefault(impl.plugin_name, []).extend(r.method_path for r in routes)
+    for impl in pm.hook.pagoda_model_card.get_hookimpls():
+        fields = impl.function(model=ServedModel(name="model", created=0, max_model_len=0)) or {}
+        found.setdefault(impl.plugin_name, []).append(f"model card fields: {', '.join(fields)}")
     return found
 
 
@@ -138,6 +150,27 @@ def collect_disconnect_policies(pm: pluggy.PluginManager) -> dict[str, Disconnec
     pm.hook.pagoda_register_disconnect_policies(register=policies.append)
     _check_unique(policies, "name", "disconnect policies")
     return {p.name: p for p in policies}
+
+
+def collect_routes(pm: pluggy.PluginManager) -> list[Route]:
+    """Every route the plugins register; two with one method and path is an error."""
+    routes: list[Route] = []
+    pm.hook.pagoda_register_routes(register=routes.append)
+    _check_unique(routes, "method_path", "routes")
+    return routes
+
+
+def collect_model_card(pm: pluggy.PluginManager, model: ServedModel) -> dict[str, Any]:
+    """The served model's card: every plugin's fields in registration order; a field given two values is an error."""
+    card: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for impl in pm.hook.pagoda_model_card.get_hookimpls():  # in registration order (a call would be the reverse)
+        for key, value in (impl.function(model=model) or {}).items():
+            if key in card and card[key] != value:
+                raise PluginError(f"plugins {owner[key]!r} and {impl.plugin_name!r} give the model card field"
+                                  f" {key!r} two values: {card[key]!r} and {value!r}")
+            card[key], owner[key] = value, impl.plugin_name
+    return card
 
 
 def _check_unique(items: list, attr: str, what: str) -> None:
