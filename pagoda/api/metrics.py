@@ -82,6 +82,13 @@ class Metrics:
                                      buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagoda_e2e_request_latency_seconds", "Time from arrival to a finished request's end.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        # The server side of a request's latency, from the engine's own stamps (RequestTimes), when it finishes.
+        self.queue = Histogram("pagoda_request_queue_seconds", "Time from arrival to the request's first step.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pagoda_request_prefill_seconds", "Time from the first step to the first token.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("pagoda_request_decode_seconds", "Time from the first token to the request's end.",
+                                buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pagoda_generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter("pagoda_requests_finished", "Requests that ran to their end, by finish reason.",
@@ -119,6 +126,7 @@ class Metrics:
                         finished = True
                         self.e2e.observe(now - start)
                         self.finished.labels(reason=out.finish_reason.value).inc()
+                        self._split(out)
                     yield out
             except (asyncio.CancelledError, GeneratorExit):
                 if not finished:
@@ -131,6 +139,14 @@ class Metrics:
                 self._aborted(record, "model_error")
                 raise
             # Anything else came from admission: a refused request is not an aborted one.
+
+    def _split(self, out: RequestOutput) -> None:
+        times = out.times
+        if times is None or times.queue_seconds is None or times.decode_seconds is None:
+            return
+        self.queue.observe(times.queue_seconds)
+        self.prefill.observe(times.prefill_seconds)
+        self.decode.observe(times.decode_seconds)
 
     def client_left(self, record: AccessRecord, reason: str) -> None:
         """Note that the request's client is gone (before its engine request is cancelled, if it is)."""

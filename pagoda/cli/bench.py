@@ -12,6 +12,7 @@ BENCHMARKS = {
     "offline": "pagoda.bench.offline",
     "disconnect": "pagoda.bench.disconnect",
     "crowd": "pagoda.bench.crowd",
+    "serve": "pagoda.bench.serve",
 }
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core.batch import ModelRunner, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.outputs import RequestOutput, SampledToken
+from pagoda.core.outputs import RequestOutput, RequestTimes, SampledToken
 from pagoda.core.request import FinishReason, Request
 from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
@@ -99,33 +99,41 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""
         outputs = self._apply_aborts()
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
         self.counters.steps_total += 1
         try:
-            sampled = self._run(batch)
+            sampled = self._sample(batch, self.runner.execute(batch).logits)
         except Exception as exc:  # one failed forward must not take the server down
             return outputs + self._fail(batch, exc)
-        return outputs + self._update(batch, sampled)
+        self._advance(batch, started)
+        return outputs + self._collect(batch, sampled)
 
     def run(self) -> Iterator[RequestOutput]:
         """Step until every request has finished (offline use)."""
         while self.has_unfinished():
             yield from self.step()
 
-    def _run(self, batch: SchedulerOutput) -> list[SampledToken]:
+    def _sample(self, batch: SchedulerOutput, logits: Any) -> list[SampledToken]:
+        # logits: [len(batch.sample_chunks), V], one row per chunk that reaches its request's end
         sample_chunks = batch.sample_chunks
-        logits = self.runner.execute(batch).logits
         return self.sampler.sample(logits, [c.request for c in sample_chunks]) if sample_chunks else []
 
-    def _update(self, batch: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
+    def _advance(self, batch: SchedulerOutput, started: float) -> None:
+        # the step's KV is in the cache now: every chunk's tokens count as computed
         for chunk in batch.chunks:
             chunk.request.num_computed_tokens = chunk.end
+            chunk.request.scheduled_time = chunk.request.scheduled_time or started
+
+    def _collect(self, batch: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
+        # append each sampled token, stream its text, and finish the requests that stop here
         outputs = []
         for chunk, token in zip(batch.sample_chunks, sampled):
             request = chunk.request
             request.output_token_ids.append(token.token_id)
+            request.first_token_time = request.first_token_time or time.monotonic()
             self.counters.generated_tokens_total += 1
             text = request.text_stream.push(token.token_id) if request.text_stream else ""
             reason = self._finish_reason(request, token.token_id)
@@ -153,6 +161,7 @@ class Engine:
         """Take the request out of the scheduler (its blocks return now); returns held-back text."""
         self.scheduler.remove(request)
         del self.requests[request.request_id]
+        request.finished_time = time.monotonic()
         request.finish_reason = reason
         stream = request.text_stream
         if stream is not None and stream.stopped is None and reason is not FinishReason.ABORT:
@@ -191,6 +200,8 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             stop_reason=request.stop_reason,
+            times=RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time,
+                               request.finished_time) if request.is_finished else None,
             **extra,
         )
 

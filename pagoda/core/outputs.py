@@ -14,6 +14,29 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # the k most likely tokens
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's engine-clock stamps (seconds, time.monotonic); None where it never got there."""
+
+    arrival: float
+    scheduled: float | None  # its first step began
+    first_token: float | None  # the step that sampled its first token ended
+    finished: float  # it left the scheduler
+
+    @property
+    def queue_seconds(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        """First scheduled to first token (a preemption before the first token counts here)."""
+        return None if self.scheduled is None or self.first_token is None else self.first_token - self.scheduled
+
+    @property
+    def decode_seconds(self) -> float | None:
+        return None if self.first_token is None else self.finished - self.first_token
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -28,3 +51,4 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
     error: str | None = None
+    times: RequestTimes | None = None  # on a request's last output only

@@ -36,6 +36,10 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    # Engine-clock (time.monotonic) stamps for the queue/prefill/decode split; None until it happens.
+    scheduled_time: float | None = None  # the start of the first step that computed any of its tokens
+    first_token_time: float | None = None  # the end of the step that sampled its first token
+    finished_time: float | None = None  # when it left the scheduler, for whatever reason
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

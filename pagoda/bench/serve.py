@@ -1,0 +1,168 @@
+"""`pagoda bench serve`: load an OpenAI-compatible server over HTTP and measure what its clients see.
+
+    target   --url (a running server), or a pagoda started here (`pagoda serve --port 0`, a child
+             process); --peer-url runs the same load against a second server, for pagoda / peer ratios
+    load     closed-loop concurrency levels (--concurrency 1,4,16), or open-loop Poisson rates
+             (--request-rate 2,8), or the chat workload's conversations (one level)
+    measure  per request TTFT, inter-token gaps, TPOT, end to end (serve_client); per level
+             percentiles, req/s, output tok/s, goodput under --slo-*; and for a pagoda, the
+             server's own queue / prefill / decode split, from /metrics scraped around each level
+
+Requests stream with a fixed output length (ignore_eos + max_tokens), so two
+servers generate the same number of tokens for the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from pagoda.bench import serve_load as load
+from pagoda.bench.serve_client import Target, scrape_split, served_model, split_means
+from pagoda.bench.serve_report import summarize, table, turn_table, write_json, write_plots
+from pagoda.bench.serve_server import pagoda_subprocess, serve_command
+from pagoda.bench.serve_workloads import WORKLOADS, Conversation, Prompt, conversations, prompts_for
+
+
+def _numbers(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pagoda bench serve", description=__doc__.split("\n")[0])
+    g = p.add_argument_group("servers")
+    g.add_argument("--url", help="a running server (default: start a pagoda here)")
+    g.add_argument("--peer-url", help="a second server given the same load; the table adds pagoda / peer ratios")
+    g.add_argument("--api-key", help="bearer key for --url (or the pagoda started here)")
+    g.add_argument("--peer-api-key")
+    g.add_argument("--model-name", help="the request's model field (default: the server's first /v1/models id)")
+    g.add_argument("--peer-model-name")
+    g.add_argument("--model", default="default", help="what the pagoda started here serves")
+    g.add_argument("--dtype")
+    g.add_argument("--num-blocks", type=int)
+    g.add_argument("--max-running", type=int)
+    g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="another `pagoda serve` argument, repeatable (e.g. --server-arg=--max-batched-tokens=1024)")
+    g.add_argument("--server-ready-timeout", type=float, default=600.0, help="seconds for it to start listening")
+    g = p.add_argument_group("load")
+    g.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument("--concurrency", type=_numbers, default=[1.0, 4.0, 16.0], help="closed-loop client counts")
+    g.add_argument("--request-rate", type=_numbers, help="open-loop Poisson rates per second (instead of --concurrency)")
+    g.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    g.add_argument("--input-len", type=int, default=128, help="synthetic prompt words (~tokens)")
+    g.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    g.add_argument("--crowd", help="a simulator crowd file (the crowd workload)")
+    g.add_argument("--conversations", type=int, default=4, help="chat: clients, each one conversation")
+    g.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
+    g.add_argument("--system-tokens", type=int, default=1000, help="chat: the shared system prompt's words (~tokens)")
+    g.add_argument("--user-tokens", type=int, default=24, help="chat: words (~tokens) in each user message")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-warmup", action="store_true", help="skip the one unrecorded request per server")
+    g = p.add_argument_group("bounds and results")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    g.add_argument("--deadline", type=float, default=1800.0, help="seconds for the whole run")
+    g.add_argument("--slo-ttft-ms", type=float)
+    g.add_argument("--slo-tpot-ms", type=float)
+    g.add_argument("--json", metavar="FILE", help="write summaries and every per-request record")
+    g.add_argument("--plot-dir", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    g.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.workload == "chat":
+        args.endpoint = "chat"  # conversations are chat messages
+    if (args.workload == "crowd") != bool(args.crowd):
+        p.error("--crowd FILE.json goes with --workload crowd, and that workload needs it")
+    if min(args.num_requests, args.turns, args.conversations, args.output_len) < 1:
+        p.error("--num-requests, --turns, --conversations and --output-len must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        # Built before any server starts, so that a bad crowd file costs nothing.
+        prompts = [] if args.workload == "chat" else prompts_for(
+            args.workload, num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+            seed=args.seed, crowd=args.crowd)
+        convs = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.seed)
+        with contextlib.ExitStack() as stack:
+            url = args.url or stack.enter_context(pagoda_subprocess(
+                serve_command(args.model, dtype=args.dtype, num_blocks=args.num_blocks, max_running=args.max_running,
+                              extra=args.server_arg), args.server_ready_timeout))
+            targets = [Target("pagoda", url.rstrip("/"), api_key=args.api_key)]
+            if args.peer_url:
+                targets.append(Target("peer", args.peer_url.rstrip("/"), api_key=args.peer_api_key))
+            summaries, records = asyncio.run(run(args, targets, prompts, convs))
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"pagoda bench serve: {exc}", file=sys.stderr)
+        return 2
+    print(table(summaries, with_peer=len(targets) > 1))
+    if args.workload == "chat":
+        print()
+        print(turn_table(summaries))
+    if args.json:
+        write_json(args.json, {k: v for k, v in vars(args).items() if k not in ("api_key", "peer_api_key")},
+                   summaries, records)
+    if args.plot_dir:
+        written = write_plots(args.plot_dir, summaries, records)
+        print("plots: " + (", ".join(map(str, written)) if written else "skipped (matplotlib is not installed)"))
+    failed = [s for s in summaries if s["failed"] or s["deadline_hit"]]
+    for s in failed:
+        print(f"{s['server']} {s['kind']}={s['level']:g}: {s['failed']} failed"
+              f"{' (the run deadline cut it short)' if s['deadline_hit'] else ''}: {s['errors']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _levels(args: argparse.Namespace) -> tuple[str, list[float]]:
+    if args.workload == "chat":
+        return "conversations", [float(args.conversations)]
+    if args.request_rate:
+        return "rate", args.request_rate
+    return "concurrency", [float(int(c)) for c in args.concurrency]
+
+
+async def run(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt],
+              convs: list[Conversation]) -> tuple[list[dict[str, Any]], list]:
+    """Every level against every target, in turn; returns (summaries, records)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + args.deadline
+    cfg = load.LoadConfig(endpoint=args.endpoint, temperature=args.temperature,
+                          request_timeout=args.request_timeout, progress=not args.no_progress)
+    kind, levels = _levels(args)
+    connections = int(max(levels)) if kind != "rate" else args.num_requests
+    limits = httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4)
+    summaries, records = [], []
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits, trust_env=False) as http:
+        for target, name in zip(targets, (args.model_name, args.peer_model_name)):
+            target.model = name or await served_model(http, target)
+            if not args.no_warmup:
+                warm = await load.warm_up(http, target, cfg, prompts[0] if prompts else Prompt("Hello", 8))
+                if not warm.ok:
+                    raise RuntimeError(f"the warm-up request to {target.url} failed: {warm.error}")
+        for level in levels:
+            if loop.time() >= deadline:
+                break  # the deadline has passed: the levels left are not run
+            for target in targets:
+                before = await scrape_split(http, target)
+                if kind == "conversations":
+                    result = await load.chat(http, target, cfg, convs, args.output_len, deadline)
+                elif kind == "rate":
+                    result = await load.open_loop(http, target, cfg, prompts, args.num_requests, level, args.seed,
+                                                  deadline)
+                else:
+                    result = await load.closed_loop(http, target, cfg, prompts, args.num_requests, int(level), deadline)
+                split = split_means(before, await scrape_split(http, target))
+                summaries.append(summarize(target.name, kind, level, result, split, slo_ttft_ms=args.slo_ttft_ms,
+                                           slo_tpot_ms=args.slo_tpot_ms))
+                records += result.records
+    return summaries, records

@@ -1,0 +1,140 @@
+"""The load patterns of `pagoda bench serve`: closed-loop clients, open-loop Poisson arrivals, chat conversations.
+
+    closed loop  N clients; each sends its next request as soon as its previous one finished,
+                 until `num_requests` have been sent
+    open loop    requests arrive at `rate` per second, exponential gaps from a seeded generator,
+                 whether or not earlier ones finished
+    chat         one client per conversation; turn t resends the whole history (system prompt,
+                 every earlier user message and answer) plus user message t
+
+Every level is bounded: each request by its own timeout, the level by the
+run's deadline (what is still in flight then is cancelled and recorded so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm import tqdm
+
+from pagoda.bench.serve_client import RequestRecord, Target, request_body, stream_request
+from pagoda.bench.serve_workloads import Conversation, Prompt
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How every request of a run is sent."""
+
+    endpoint: str = "completions"  # completions | chat
+    temperature: float = 0.0
+    request_timeout: float = 300.0
+    progress: bool = True
+
+
+@dataclass
+class LevelRun:
+    """The records of one level against one server, and how long it took."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    duration: float = 0.0  # from the level's start to its last request's end
+    deadline_hit: bool = False
+
+
+class _Level:
+    """Shared state of one level: the clock, the records, the progress bar."""
+
+    def __init__(self, http: httpx.AsyncClient, target: Target, cfg: LoadConfig, level: float, total: int,
+                 label: str) -> None:
+        self.http, self.target, self.cfg, self.level = http, target, cfg, level
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.run = LevelRun()
+        self.bar = tqdm(total=total, desc=f"{target.name} {label}", leave=False, disable=not cfg.progress)
+
+    async def send(self, index: int, endpoint: str, content, max_tokens: int, **where: int) -> tuple[RequestRecord, str]:
+        record = RequestRecord(self.target.name, self.level, index, start=self.loop.time() - self.t0, **where)
+        self.run.records.append(record)
+        body = request_body(endpoint, self.target.model, content, max_tokens, self.cfg.temperature)
+        text = await stream_request(self.http, self.target, endpoint, body, record, self.cfg.request_timeout)
+        self.run.duration = max(self.run.duration, self.loop.time() - self.t0)
+        self.bar.update(1)
+        return record, text
+
+    async def until(self, deadline: float, work: Awaitable[object]) -> LevelRun:
+        """Await the level's work, cancelling it at the run's deadline."""
+        try:
+            await asyncio.wait_for(work, max(0.0, deadline - self.loop.time()))
+        except TimeoutError:
+            self.run.deadline_hit = True
+            self.run.duration = self.loop.time() - self.t0
+        finally:
+            self.bar.close()
+        return self.run
+
+
+async def closed_loop(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompts: list[Prompt],
+                      num_requests: int, concurrency: int, deadline: float) -> LevelRun:
+    """`concurrency` clients, back to back, until `num_requests` were sent."""
+    level = _Level(http, target, cfg, concurrency, num_requests, f"concurrency={concurrency}")
+    counter = iter(range(num_requests))
+
+    async def client() -> None:
+        for i in counter:  # shared: each index is taken by exactly one client
+            p = prompts[i % len(prompts)]
+            await level.send(i, cfg.endpoint, p.text, p.max_tokens)
+
+    return await level.until(deadline, asyncio.gather(*(client() for _ in range(concurrency))))
+
+
+async def open_loop(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompts: list[Prompt],
+                    num_requests: int, rate: float, seed: int, deadline: float) -> LevelRun:
+    """`num_requests` Poisson arrivals at `rate` per second (the same arrival times for every server)."""
+    level = _Level(http, target, cfg, rate, num_requests, f"rate={rate:g}/s")
+    rng = random.Random(seed)
+
+    async def arrivals() -> None:
+        tasks = []
+        try:
+            for i in range(num_requests):
+                p = prompts[i % len(prompts)]
+                tasks.append(asyncio.ensure_future(level.send(i, cfg.endpoint, p.text, p.max_tokens)))
+                if i + 1 < num_requests:
+                    await asyncio.sleep(rng.expovariate(rate))  # the schedule itself, not a wait for a condition
+            await asyncio.gather(*tasks)
+        finally:  # at the deadline: what is in flight is cancelled, and records it
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    return await level.until(deadline, arrivals())
+
+
+async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: list[Conversation],
+               max_tokens: int, deadline: float) -> LevelRun:
+    """Each conversation's turns in order, all conversations at once, over /v1/chat/completions."""
+    total = sum(len(c.user_turns) for c in convs)
+    level = _Level(http, target, cfg, len(convs), total, f"conversations={len(convs)}")
+
+    async def conversation(c: int, conv: Conversation) -> None:
+        history = [{"role": "system", "content": conv.system}]
+        for turn, user in enumerate(conv.user_turns):
+            history.append({"role": "user", "content": user})
+            record, text = await level.send(c * len(conv.user_turns) + turn, "chat", list(history), max_tokens,
+                                            conversation=c, turn=turn)
+            if not record.ok:
+                return  # a conversation whose turn failed has no history to go on with
+            history.append({"role": "assistant", "content": text})
+
+    return await level.until(deadline, asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(convs))))
+
+
+async def warm_up(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompt: Prompt) -> RequestRecord:
+    """One short request before any level, not recorded: first-request costs stay out of the numbers."""
+    record = RequestRecord(target.name, 0, -1, 0.0)
+    body = request_body(cfg.endpoint, target.model, prompt.text, min(prompt.max_tokens, 8), cfg.temperature)
+    await stream_request(http, target, cfg.endpoint, body, record, cfg.request_timeout)
+    return record

@@ -1,0 +1,117 @@
+"""`pagoda bench serve` end to end on the tiny random model: real servers on ephemeral loopback ports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pagoda.bench.serve import main
+from pagoda.simulator.crowd import crowd_to_json, mixed_crowd
+from tests.server_fixtures import TINY_ENGINE, TINY_NAME, start_server
+
+QUICK = ["--no-progress", "--input-len", "8", "--output-len", "4", "--request-timeout", "60", "--deadline", "120"]
+
+
+def run_bench(tmp_path: Path, *argv: str) -> dict:
+    out = tmp_path / "result.json"
+    assert main([*QUICK, *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def assert_ordered(summary: dict) -> None:
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        lat = summary[key]
+        assert 0 <= lat["p50"] <= lat["p90"] <= lat["p99"], (key, lat)
+
+
+@pytest.fixture(scope="module")
+def second_server(tiny_model_dir: Path):
+    live = start_server(tiny_model_dir, TINY_NAME + "-peer", **TINY_ENGINE)
+    try:
+        yield live
+    finally:
+        live.server.stop()
+
+
+def test_a_pagoda_started_by_the_bench_over_two_concurrency_levels(tiny_model_dir: Path, tmp_path: Path, capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_model_dir), "--num-blocks", "64", "--max-running", "8",
+                       "--server-arg=--dtype=float32", "--concurrency", "1,2", "--num-requests", "4",
+                       "--slo-ttft-ms", "60000", "--plot-dir", str(tmp_path / "plots"))
+    records = result["records"]
+    assert sorted((r["level"], r["index"]) for r in records) == [(lv, i) for lv in (1, 2) for i in range(4)]
+    for r in records:
+        assert r["ok"] and r["error"] is None, r
+        assert r["output_tokens"] == 4 and r["prompt_tokens"] > 0
+        assert 0 < r["ttft"] <= r["e2e"] and len(r["itl"]) <= 3
+        assert r["tpot"] is not None and r["tpot"] >= 0
+    assert [s["level"] for s in result["summaries"]] == [1, 2]
+    for s in result["summaries"]:
+        assert (s["requests"], s["ok"], s["failed"], s["deadline_hit"]) == (4, 4, 0, False)
+        assert_ordered(s)
+        assert s["req_per_s"] > 0 and s["out_tok_per_s"] > 0
+        assert s["goodput_req_per_s"] == pytest.approx(s["req_per_s"])  # a one-minute SLO: everyone meets it
+        split = s["server_split_ms"]  # the started server is a pagoda: its own queue/prefill/decode split
+        assert split is not None and all(split[k] is not None and split[k] >= 0 for k in ("queue", "prefill", "decode"))
+    out = capsys.readouterr().out
+    assert "| concurrency | ok | req/s |" in out and "| 2 | 4/4 |" in out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "plots: skipped" in out
+    else:
+        assert {p.name for p in (tmp_path / "plots").iterdir()} == {"throughput.png", "ttft_cdf.png", "itl_cdf.png"}
+
+
+def test_the_chat_workload_reports_ttft_per_turn(tiny_server, tmp_path: Path, capsys):
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--workload", "chat", "--conversations", "2",
+                       "--turns", "2", "--system-tokens", "40", "--user-tokens", "4")
+    records = result["records"]
+    assert sorted((r["conversation"], r["turn"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["ok"] for r in records)
+    # Turn 1 resends turn 0's system prompt, question and answer: a longer prompt.
+    by = {(r["conversation"], r["turn"]): r for r in records}
+    assert all(by[c, 1]["prompt_tokens"] > by[c, 0]["prompt_tokens"] + 4 for c in (0, 1))
+    (summary,) = result["summaries"]
+    assert (summary["kind"], summary["level"]) == ("conversations", 2)
+    assert set(summary["ttft_by_turn_ms"]) == {"0", "1"}
+    assert all(lat["n"] == 2 for lat in summary["ttft_by_turn_ms"].values())
+    out = capsys.readouterr().out
+    assert "| server | turn | prompt tokens | TTFT p50 ms | TTFT p99 ms |" in out
+
+
+def test_a_peer_gets_the_same_load_and_the_table_gives_ratios(tiny_server, second_server, tmp_path: Path, capsys):
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--peer-url", second_server.url, "--concurrency", "2",
+                       "--num-requests", "4", "--endpoint", "chat")
+    assert sorted({(s["server"], s["level"]) for s in result["summaries"]}) == [("pagoda", 2), ("peer", 2)]
+    assert sum(r["server"] == "peer" and r["ok"] for r in result["records"]) == 4
+    (ratio,) = result["ratios"]
+    assert ratio["level"] == 2 and all(ratio[k] is not None and ratio[k] > 0 for k in ("req/s", "TTFT p50 ms"))
+    by = {s["server"]: s for s in result["summaries"]}
+    assert ratio["out tok/s"] == pytest.approx(by["pagoda"]["out_tok_per_s"] / by["peer"]["out_tok_per_s"])
+    out = capsys.readouterr().out
+    assert "| 2 | pagoda / peer |" in out and "x |" in out
+
+
+def test_open_loop_poisson_arrivals(tiny_server, tmp_path: Path):
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--request-rate", "50", "--num-requests", "4",
+                       "--workload", "paragraphs")
+    (summary,) = result["summaries"]
+    assert (summary["kind"], summary["level"], summary["ok"]) == ("rate", 50, 4)
+    starts = sorted(r["start"] for r in result["records"])
+    assert starts[0] < starts[-1]  # arrivals spread out, not all at once
+
+
+def test_a_crowd_file_workload(tiny_server, tmp_path: Path):
+    crowd = tmp_path / "crowd.json"
+    crowd.write_text(crowd_to_json(mixed_crowd(seed=5, clients=3, max_prompt_len=8, max_tokens=5)))
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--workload", "crowd", "--crowd", str(crowd),
+                       "--concurrency", "3", "--num-requests", "3")
+    lengths = sorted(p.max_tokens for p in mixed_crowd(seed=5, clients=3, max_prompt_len=8, max_tokens=5))
+    assert sorted(r["output_tokens"] for r in result["records"]) == lengths  # each plan's own output length
+
+
+def test_a_crowd_workload_without_its_file_is_refused():
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "crowd", "--url", "http://127.0.0.1:9"])
+    assert exc.value.code == 2
