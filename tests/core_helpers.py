@@ -5,13 +5,15 @@ from pagoda.core.engine import Engine
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
 
 
-def fake_engine(num_blocks=16, block_size=4, max_running=4, max_batched_tokens=64, max_model_len=256, **kw) -> Engine:
+def fake_engine(num_blocks=16, block_size=4, max_running=4, max_batched_tokens=64, max_model_len=256,
+                enable_prefix_caching=True, **kw) -> Engine:
     config = EngineConfig(
         num_blocks=num_blocks,
         block_size=block_size,
         max_running=max_running,
         max_batched_tokens=max_batched_tokens,
         max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     )
     runner = FakeModelRunner(num_blocks, block_size, vocab_size=64, eos_bias=-50.0)  # EOS never wins
     return Engine(runner, config, eos_token_ids=(EOS_TOKEN_ID,), **kw)

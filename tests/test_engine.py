@@ -163,3 +163,22 @@ def test_stop_string_across_tokens_ends_with_text_before_it(default_tokenizer):
     engine.add_request("b", [1], SamplingParams(max_tokens=len(script), temperature=0))
     outs = drain(engine)["b"]
     assert "".join(o.new_text for o in outs) == tok.decode(script) and outs[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_shared_prefix_is_computed_once_and_reported():
+    engine = fake_engine(num_blocks=16, block_size=4)
+    system = list(range(1, 13))  # three full blocks
+    engine.add_request("first", system + [20], GREEDY)
+    engine.step()  # first's prompt is computed; its blocks join the cache at the next step
+    engine.add_request("second", system + [30, 31], GREEDY, tenant="t")  # another tenant: no hit
+    engine.add_request("third", system + [30, 31], GREEDY)
+    outs = drain(engine)
+    assert outs["first"][-1].num_cached_tokens == 0 and outs["second"][-1].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 12 for o in outs["third"])
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens_total"] == 12
+    assert stats["prefix_cache_queried_tokens_total"] == 13 + 14 + 14
+    assert stats["kv_blocks_free"] == engine.config.num_blocks and stats["kv_blocks_cached_free"] > 0
+    alone = fake_engine(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    alone.add_request("third", system + [30, 31], GREEDY)
+    assert tokens(drain(alone)["third"]) == tokens(outs["third"])

@@ -6,8 +6,10 @@ import pytest
 
 from pagoda.cli.main import main
 from pagoda.core.block_manager import BlockManager
-from pagoda.simulator.crowd import ClientPlan, crowd_from_json, crowd_to_json, mixed_crowd
-from pagoda.simulator.simulate import simulate
+from pagoda.simulator.crowd import (
+    ClientPlan, agent_crowd, chat_crowd, crowd_from_json, crowd_to_json, mixed_crowd, shared_prefix_crowd,
+)
+from pagoda.simulator.simulate import SimulationConfig, simulate
 
 
 def test_crowd_json_round_trip_and_errors():
@@ -59,6 +61,36 @@ def test_a_ledger_bug_is_caught(monkeypatch):
     monkeypatch.setattr(BlockManager, "free", leaky_free)
     report = simulate(mixed_crowd(7, clients=60), check_solo=True)
     assert not report.ok
+
+
+def test_a_shared_block_freed_while_in_use_is_caught(monkeypatch):
+    """Sabotage sharing: a free that ignores the other holders hands a shared block back to the pool."""
+
+    def careless_free(self, request_id):
+        table = self._tables.pop(request_id, [])
+        self._num_offered.pop(request_id, None)
+        for block_id in table:
+            if self._ref_counts[block_id]:
+                self._ref_counts[block_id] = 0  # as if nobody else held it
+                if self._hash_of[block_id] is None:
+                    self._free.append(block_id)
+                else:
+                    self._cached_free[block_id] = None
+        return len(table)
+
+    assert SimulationConfig().engine.enable_prefix_caching and SimulationConfig().audit_every_step
+    monkeypatch.setattr(BlockManager, "free", careless_free)
+    report = simulate(shared_prefix_crowd(3, clients=20, arrival_gap=0.01), check_solo=False)
+    assert not report.ok and "ref count 0" in report.audit
+
+
+def test_follow_ups_extend_what_they_follow_and_replay_alone():
+    for crowd in (chat_crowd(1), agent_crowd(2)):
+        assert crowd_from_json(crowd_to_json(crowd)) == crowd
+        report = simulate(crowd)
+        assert report.ok and report.completed == len(crowd) and report.prefix_hit_tokens > 0
+    with pytest.raises(ValueError, match="not an earlier client"):
+        crowd_from_json('[{"client_id": "b", "after": "a"}, {"client_id": "a"}]')
 
 
 def test_cli_json_contract(capsys):

@@ -49,7 +49,7 @@ class Engine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.counters = EngineCounters()
@@ -58,9 +58,13 @@ class Engine:
 
     # -- requests in and out -------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None,
+        *, cache_salt: str | None = None, tenant: str | None = None,
     ) -> Request:
-        """Queue a request; raises AdmissionError (or ValueError) for one that can never be served."""
+        """Queue a request; raises AdmissionError (or ValueError) for one that can never be served.
+
+        Cached prefix blocks are shared only between requests with equal `cache_salt` and `tenant`.
+        """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already live")
         self._check_prompt(prompt_token_ids)
@@ -71,6 +75,8 @@ class Engine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+            tenant=tenant,
         )
         self.scheduler.add(request)
         if self.tokenizer is not None:
@@ -202,6 +208,7 @@ class Engine:
             stop_reason=request.stop_reason,
             times=RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time,
                                request.finished_time) if request.is_finished else None,
+            num_cached_tokens=request.num_cached_tokens,
             **extra,
         )
 
@@ -218,6 +225,7 @@ class Engine:
             "waiting": scheduler.num_waiting,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_free": pool.num_free_blocks,
+            "kv_blocks_cached_free": pool.num_cached_free_blocks,
             "preemptions_total": scheduler.num_preemptions,
             "recomputed_tokens_total": scheduler.num_recomputed_tokens,
             "aborted_total": c.aborted_total,
@@ -226,5 +234,7 @@ class Engine:
             "prompt_tokens_total": c.prompt_tokens_total,
             "requests_total": c.requests_total,
             "peak_running": scheduler.peak_running,
+            "prefix_cache_queried_tokens_total": scheduler.num_prefix_queried_tokens,
+            "prefix_cache_hit_tokens_total": scheduler.num_prefix_hit_tokens,
             "steps_total": c.steps_total,
         }

@@ -17,12 +17,15 @@ class EngineConfig:
     max_running: int = 64  # sequences in one step
     max_batched_tokens: int = 512  # new tokens in one step (prefill chunks + decodes)
     max_model_len: int = 8192  # prompt + output tokens of one request
+    enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
 
     @property
     def num_slots(self) -> int:

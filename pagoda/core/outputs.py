@@ -48,6 +48,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
     error: str | None = None

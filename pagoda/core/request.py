@@ -46,6 +46,13 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     num_preemptions: int = 0
+    # Prefix caching: the extra keys a block hash covers (requests share blocks only when both are
+    # equal), the chain of full-block hashes (kept across preemption: tokens never change), and the
+    # prompt tokens found in the cache when the request was first scheduled (usage's cached_tokens).
+    cache_salt: str | None = None
+    tenant: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
     # Opaque per-request sampling state (a torch.Generator), owned by the sampler.
     # Kept on the request so that it survives preemption untouched.
     generator: Any = None

@@ -13,6 +13,14 @@ zero and it goes to the front of the waiting queue. When it runs again it
 recomputes prompt + output so far in prefill chunks, and because sampling
 state lives on the request, its continuation is unchanged.
 
+Prefix caching. A waiting request is admitted by its uncached tokens: its
+leading blocks already in the cache (`BlockManager.cached_prefix`) are taken,
+not computed, so its first chunk starts after them and the budget and the
+KV-block check count only what must be computed and newly taken. At least its
+last token is computed, for the logits to sample from. Full blocks join the
+cache once their KV is written: at the top of the next `schedule()`, or when
+their request is preempted or leaves.
+
 Requests that could never fit (more KV slots than the whole pool, or longer
 than the model's context) are refused when they are added, never left waiting.
 No torch here.
@@ -21,6 +29,7 @@ No torch here.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
@@ -49,6 +58,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.peak_running = 0
+        self.num_prefix_queried_tokens = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of which found there
 
     # -- admission -----------------------------------------------------
     def check_admissible(self, request: Request) -> None:
@@ -78,6 +89,8 @@ class Scheduler:
         budget = self.config.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        for request in self.running:  # the blocks the last step computed join the cache
+            self.block_manager.cache_blocks(request)
         budget = self._schedule_running(budget, chunks, preempted)
         if not preempted:  # admitting new work while evicting would only thrash
             self._schedule_waiting(budget, chunks)
@@ -104,24 +117,39 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(request.request_id, request.num_computed_tokens + num_new):
+            assert request.num_computed_tokens == 0, f"waiting request {request.request_id!r} has computed tokens"
+            hits = bm.cached_prefix(request)  # never covers the last token: num_new >= 1
+            num_cached = len(hits) * bm.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not bm.can_allocate(request.request_id, num_cached + num_new, hits):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self._count_prefix_hit(request, num_cached)
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, hits))
             budget -= num_new
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _count_prefix_hit(self, request: Request, num_cached: int) -> None:
+        if not self.block_manager.enable_prefix_caching:
+            return
+        self.num_prefix_queried_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += num_cached
+        if request.num_preemptions == 0:  # what usage reports: the first admission, not a resume
+            request.num_cached_tokens = num_cached
+
+    def _chunk(self, request: Request, num_new: int, hits: Sequence[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
-        table = self.block_manager.allocate(request.request_id, start + num_new)
+        table = self.block_manager.allocate(request.request_id, start + num_new, hits)
         return ScheduledChunk(request=request, start=start, num_tokens=num_new, block_table=tuple(table))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.block_manager.cache_blocks(request)  # its computed blocks may serve its own resume
         self.block_manager.free(request.request_id)
         self.num_preemptions += 1
         self.num_recomputed_tokens += request.num_computed_tokens
@@ -135,6 +163,7 @@ class Scheduler:
         """Take a finished or aborted request out of its queue and free its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self.block_manager.cache_blocks(request)  # what its last step computed stays reusable
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
@@ -142,7 +171,10 @@ class Scheduler:
 
     def audit(self) -> None:
         """The ledger audit over the live requests (waiting requests hold no blocks)."""
-        self.block_manager.audit({r.request_id: r.num_computed_tokens for r in self.running})
+        self.block_manager.audit(
+            {r.request_id: r.num_computed_tokens for r in self.running},
+            {r.request_id: r.all_token_ids for r in self.running},
+        )
 
     @property
     def num_running(self) -> int:

@@ -8,6 +8,11 @@ A plan's `protocol` is the name of a registered endpoint's protocol
 ("completions", "chat", "responses", "messages", or a plugin's, such as
 "ollama-chat"). The simulator does not speak protocols, so it only checks the
 name is a string; the live harness resolves it against the server's endpoints.
+
+A plan may follow another (`after`): the next turn of a chat or the next step
+of an agent. It arrives `arrival` seconds after that client has left, and its
+prompt is that client's prompt + the output it received + its own `prompt`, so
+prompts grow turn by turn and every turn extends the one before.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class ClientPlan:
     stream: bool = False
     protocol: str | None = None  # live runs: a registered endpoint's protocol name
     hangup_after: float | None = None  # seconds after arrival; None = stays
+    after: str | None = None  # a follow-up of this client: `arrival` counts from when it left
+    cache_salt: str | None = None  # prefix-cache keys: blocks are shared only under equal ones
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if self.prompt is not None:
@@ -97,6 +105,67 @@ def mixed_crowd(
     return plans
 
 
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, vocab_size) for _ in range(n))  # never token 0, the fake model's EOS
+
+
+def shared_prefix_crowd(
+    seed: int, clients: int = 12, system_len: int = 48, max_question_len: int = 16, max_tokens: int = 16,
+    arrival_gap: float = 0.25, tenants: int = 1, vocab_size: int = 256,
+) -> list[ClientPlan]:
+    """Clients one after another, each with its tenant's one system prompt and a question of its own."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, system_len, vocab_size) for _ in range(tenants)]
+    plans = []
+    for i in range(clients):
+        t = i % tenants
+        plans.append(ClientPlan(
+            client_id=f"s{i:04d}", arrival=round(i * arrival_gap, 4),
+            prompt=systems[t] + _tokens(rng, rng.randint(1, max_question_len), vocab_size),
+            max_tokens=rng.randint(1, max_tokens), tenant=f"tenant{t}" if tenants > 1 else None,
+        ))
+    return plans
+
+
+def chat_crowd(
+    seed: int, chats: int = 4, turns: int = 3, system_len: int = 24, max_turn_len: int = 12, max_tokens: int = 12,
+    think_time: float = 0.05, arrival_window: float = 0.5, vocab_size: int = 256,
+) -> list[ClientPlan]:
+    """Multi-turn chats: each turn's prompt is the previous turn's prompt and answer plus a new message."""
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len, vocab_size)
+    plans = []
+    for c in range(chats):
+        for t in range(turns):
+            message = _tokens(rng, rng.randint(1, max_turn_len), vocab_size)
+            plans.append(ClientPlan(
+                client_id=f"chat{c:03d}-t{t}", arrival=round(rng.uniform(0, arrival_window), 4) if t == 0 else think_time,
+                prompt=system + message if t == 0 else message, max_tokens=rng.randint(1, max_tokens),
+                after=f"chat{c:03d}-t{t - 1}" if t else None,
+            ))
+    return plans
+
+
+def agent_crowd(
+    seed: int, agents: int = 6, preambles: int = 2, preamble_len: int = 96, max_task_len: int = 12, steps: int = 3,
+    max_tokens: int = 10, tool_time: float = 0.02, arrival_window: float = 0.5, vocab_size: int = 256,
+) -> list[ClientPlan]:
+    """Agents: a long tool preamble (one of a few), a task, then tool results fed back step by step."""
+    rng = random.Random(seed)
+    tools = [_tokens(rng, preamble_len, vocab_size) for _ in range(preambles)]
+    plans = []
+    for a in range(agents):
+        preamble = tools[rng.randrange(preambles)]
+        for s in range(steps):
+            new = _tokens(rng, rng.randint(1, max_task_len), vocab_size)  # the task, then a tool's result
+            plans.append(ClientPlan(
+                client_id=f"agent{a:03d}-s{s}", arrival=round(rng.uniform(0, arrival_window), 4) if s == 0 else tool_time,
+                prompt=preamble + new if s == 0 else new, max_tokens=rng.randint(1, max_tokens), ignore_eos=True,
+                after=f"agent{a:03d}-s{s - 1}" if s else None,
+            ))
+    return plans
+
+
 def crowd_to_json(plans: list[ClientPlan]) -> str:
     return json.dumps([{k: v for k, v in asdict(p).items() if v is not None} for p in plans], indent=1)
 
@@ -118,6 +187,9 @@ def crowd_from_json(text: str) -> list[ClientPlan]:
     ids = [p.client_id for p in plans]
     if len(set(ids)) != len(ids):
         raise ValueError("client_id values in a crowd must be unique")
+    for i, plan in enumerate(plans):
+        if plan.after is not None and plan.after not in ids[:i]:
+            raise ValueError(f"crowd[{i}] follows {plan.after!r}, which is not an earlier client")
     return plans
 
 

@@ -1,15 +1,17 @@
 """Replay a crowd through the real engine, scheduler and block manager on virtual time.
 
 Arrivals and hang-ups are events on a virtual clock; every forward advances
-the clock by its modelled cost. After the crowd has left, every client that
-completed is run again alone, and its tokens must be identical.
+the clock by its modelled cost. A follow-up plan (`after`) arrives once the
+client it follows has left, with that client's prompt and output before its
+own. After the crowd has left, every client that completed is run again
+alone (on the prompt it was sent), and its tokens must be identical.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from pagoda.core.block_manager import AuditError
 from pagoda.core.engine_config import EngineConfig
@@ -57,6 +59,8 @@ class SimulationReport:
     recomputed_tokens: int
     aborted: int
     generated_tokens: int
+    prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache (prompt + output on a resume)
+    prefix_hit_tokens: int  # of which were found there and not computed
     steps: int
     simulated_seconds: float
     pool: dict[str, int]
@@ -87,7 +91,7 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
     if check_solo:
         for result in run.results.values():
             if result.status == "completed":
-                solo = _CrowdRun([run.plans[result.client_id].alone()], config)
+                solo = _CrowdRun([run.sent_plan(result.client_id).alone()], config)
                 solo.run()
                 result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
                 matches = matches and result.matches_solo
@@ -104,6 +108,8 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
         recomputed_tokens=stats["recomputed_tokens_total"],
         aborted=stats["aborted_total"],
         generated_tokens=stats["generated_tokens_total"],
+        prefix_queried_tokens=stats["prefix_cache_queried_tokens_total"],
+        prefix_hit_tokens=stats["prefix_cache_hit_tokens_total"],
         steps=run.steps,
         simulated_seconds=round(run.clock.now, 6),
         pool={"total": stats["kv_blocks_total"], "free": stats["kv_blocks_free"]},
@@ -126,12 +132,33 @@ class _CrowdRun:
         runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
         self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,))
         self.results = {p.client_id: ClientResult(p.client_id) for p in plans}
+        self.prompts: dict[str, list[int]] = {}  # the prompt each client that arrived was sent
+        self.arrived_at: dict[str, float] = {}
+        self.followers: dict[str, list[ClientPlan]] = {}
         # events: (time, order, kind, client_id); arrivals sort before hang-ups at the same instant
-        self.events = [(p.arrival, 0, "arrive", p.client_id) for p in plans]
-        self.events += [(p.arrival + p.hangup_after, 1, "hangup", p.client_id) for p in plans if p.hangup_after is not None]
-        heapq.heapify(self.events)
+        self.events: list[tuple[float, int, str, str]] = []
+        for p in plans:
+            if p.after is None:
+                self._expect(p, p.arrival)
+            else:
+                self.followers.setdefault(p.after, []).append(p)
         self.releasing: dict[str, int] = {}  # hung-up client -> steps since the hang-up
         self.steps = 0
+
+    def _expect(self, plan: ClientPlan, at: float) -> None:
+        heapq.heappush(self.events, (at, 0, "arrive", plan.client_id))
+        if plan.hangup_after is not None:
+            heapq.heappush(self.events, (at + plan.hangup_after, 1, "hangup", plan.client_id))
+
+    def _left(self, client_id: str) -> None:
+        """The client is gone (completed, failed, hung up or refused): its follow-ups set out."""
+        for plan in self.followers.pop(client_id, []):
+            self._expect(plan, self.clock.now + plan.arrival)
+
+    def sent_plan(self, client_id: str) -> ClientPlan:
+        """The plan as it was sent: a follow-up carries the whole prompt it arrived with."""
+        plan = self.plans[client_id]
+        return replace(plan, prompt=tuple(self.prompts[client_id]), after=None) if plan.after else plan
 
     def run(self) -> str:
         """Drive events and steps until the crowd has left; returns "ok" or what the audit found."""
@@ -157,28 +184,36 @@ class _CrowdRun:
                 result.status = "hung_up"
                 self.engine.abort(client_id)
                 self.releasing[client_id] = 0
+                self._left(client_id)
 
     def _arrive(self, plan: ClientPlan, result: ClientResult) -> None:
+        prompt = plan.prompt_token_ids(self.config.vocab_size)
+        if plan.after is not None:
+            prompt = self.prompts[plan.after] + self.results[plan.after].output_token_ids + prompt
+        self.prompts[plan.client_id] = prompt
+        self.arrived_at[plan.client_id] = self.clock.now
         try:
-            prompt = plan.prompt_token_ids(self.config.vocab_size)
-            self.engine.add_request(plan.client_id, prompt, plan.sampling_params(), arrival_time=self.clock.now)
+            self.engine.add_request(plan.client_id, prompt, plan.sampling_params(), arrival_time=self.clock.now,
+                                    cache_salt=plan.cache_salt, tenant=plan.tenant)
         except AdmissionError as exc:
             result.status, result.error = "refused", str(exc)
+            self._left(plan.client_id)
 
     def _step(self) -> None:
         self.steps += 1
         if self.steps > self.config.max_steps:
             raise RuntimeError(f"crowd did not drain in {self.config.max_steps} steps")
         for out in self.engine.step():
-            plan, result = self.plans[out.request_id], self.results[out.request_id]
+            result = self.results[out.request_id]
             if out.new_token_ids and result.status == "pending":
                 result.output_token_ids += out.new_token_ids
                 if result.ttft is None:
-                    result.ttft = round(self.clock.now - plan.arrival, 6)
+                    result.ttft = round(self.clock.now - self.arrived_at[out.request_id], 6)
             if out.finished and out.finish_reason is not FinishReason.ABORT:
                 result.status = "completed" if out.finish_reason is not FinishReason.ERROR else "failed"
                 result.finish_reason = out.finish_reason.value
-                result.e2e = round(self.clock.now - plan.arrival, 6)
+                result.e2e = round(self.clock.now - self.arrived_at[out.request_id], 6)
+                self._left(out.request_id)
         for client_id in list(self.releasing):
             self.releasing[client_id] += 1
             if not self.engine.block_manager.block_table(client_id):
