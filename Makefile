@@ -31,7 +31,7 @@ test: $(STAMP) chromium
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
-		echo "chromium is not installed: tests/test_chat_page.py will skip"
+		echo "chromium is not installed: tests/plugins/test_chat_page.py will skip"
 
 clean:
 	rm -rf $(VENV)

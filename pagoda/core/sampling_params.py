@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.core.constraint import Constraint
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +29,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None = off; k >= 0 = the chosen token's logprob plus the top k
     logit_bias: dict[int, float] = field(default_factory=dict)
+    constraint: Constraint | None = None  # what the output must match (a JSON schema, a grammar, ...)
 
     def __post_init__(self) -> None:
         # Normalise list-like inputs so a params object is hashable-ish and immutable.

@@ -25,7 +25,7 @@ class MatmulKernel:
 
     The caller pads the rows of a forward to a multiple of `row_multiple`;
     for those row counts the kernel gives each row the same bits whatever
-    the other rows are (measured by tests/test_llama.py on the machine that
+    the other rows are (measured by tests/model/test_llama.py on the machine that
     runs them). `row_multiple` 1 claims nothing.
     """
 

@@ -12,7 +12,7 @@ from pagoda.bench.serve_client import split_means
 from pagoda.core.outputs import RequestOutput, RequestTimes
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
-from tests.core_helpers import drain, fake_engine
+from tests.helpers import drain, fake_engine
 
 
 def test_a_finished_request_carries_ordered_engine_stamps():

@@ -7,7 +7,7 @@ from pagoda.core.request import FinishReason
 from pagoda.plugins.client import ClientRequest, endpoints_by_protocol, line_data, registered_endpoints
 from pagoda.plugins.manager import load_plugins
 from pagoda.plugins.protocol import ApiError
-from tests.plugins.protocol_fakes import completion, context, outputs, prepared, read_stream, read_unary, stream
+from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
 
 ENDPOINTS = registered_endpoints(load_plugins({}))  # PAGODA_PLUGINS unset: every installed plugin too
 

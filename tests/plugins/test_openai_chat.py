@@ -6,7 +6,7 @@ from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_chat import ChatCompletions
 from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.protocol import RequestError
-from tests.plugins.protocol_fakes import (
+from tests.helpers import (
     completion,
     context,
     outputs,

@@ -9,7 +9,7 @@ from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.builtin.openai_responses import Responses
 from pagoda.plugins.client import ClientError, ClientRequest
 from pagoda.plugins.protocol import ApiError, RequestError
-from tests.plugins.protocol_fakes import decode, outputs, prepared
+from tests.helpers import decode, outputs, prepared
 
 ENDPOINTS = (Completions(), ChatCompletions(), Responses())
 

@@ -6,7 +6,7 @@ from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.protocol import RequestError
-from tests.plugins.protocol_fakes import completion, context, outputs, prepared, read_stream, read_unary, stream
+from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
 
 ENDPOINT = Completions()
 

@@ -27,7 +27,7 @@ from pagoda.plugins.manager import (
 )
 from pagoda.plugins.protocol import Endpoint, ErrorShape, RequestError
 from pagoda.plugins.route import Route, ServedModel
-from tests.core_helpers import fake_engine
+from tests.helpers import fake_engine
 
 BUILTIN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 BUILTIN_ROUTES = {"GET /", "GET /v1/models", "GET /v1/models/{model_id:str}"}

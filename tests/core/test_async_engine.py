@@ -10,7 +10,7 @@ import pytest
 from pagoda.core.async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import AdmissionError
-from tests.core_helpers import fake_engine
+from tests.helpers import fake_engine, run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -61,10 +61,6 @@ def make_engine():
     yield make
     for e in started:
         e.stop()
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, timeout=60))
 
 
 async def collect(engine, prompt, params=GREEDY, request_id=None):

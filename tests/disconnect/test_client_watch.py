@@ -4,28 +4,8 @@ import asyncio
 
 import pytest
 
+from tests.helpers import FakeConnection, run
 from pagoda.api.client_watch import CLIENT_DISCONNECT, ClientGone, ClientWatch, end_job, wait_for_disconnect
-
-
-class Connection:
-    """A fake ASGI receive: hands out queued messages, then waits."""
-
-    def __init__(self, *messages):
-        self.queue = asyncio.Queue()
-        for m in messages:
-            self.queue.put_nowait(m)
-        self.reads = 0
-
-    async def receive(self):
-        self.reads += 1
-        return await self.queue.get()
-
-    def leave(self):
-        self.queue.put_nowait({"type": "http.disconnect"})
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 async def settle():
@@ -36,7 +16,7 @@ async def settle():
 def test_other_messages_do_not_look_like_a_disconnect():
     async def main():
         # A pipelined request on a keep-alive connection arrives as http.request messages.
-        conn = Connection({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.request"})
+        conn = FakeConnection({"type": "http.request", "body": b"", "more_body": False}, {"type": "http.request"})
         watcher = asyncio.ensure_future(wait_for_disconnect(conn.receive))
         await settle()
         assert not watcher.done() and conn.reads == 3  # both messages read and ignored, waiting for more
@@ -48,7 +28,7 @@ def test_other_messages_do_not_look_like_a_disconnect():
 
 def test_work_that_finishes_first_wins_and_the_watch_stops():
     async def main():
-        conn = Connection({"type": "http.request"})
+        conn = FakeConnection({"type": "http.request"})
         watch = ClientWatch(conn.receive)
         job = asyncio.ensure_future(asyncio.sleep(0, result=42))
         await watch.first(job)
@@ -56,7 +36,7 @@ def test_work_that_finishes_first_wins_and_the_watch_stops():
         watch.close()
         conn.leave()  # nobody is listening any more
         await settle()
-        assert conn.queue.qsize() == 1 and not watch.gone
+        assert conn.incoming.qsize() == 1 and not watch.gone
 
     run(main())
 
@@ -66,7 +46,7 @@ def test_the_works_exception_is_not_taken_for_a_disconnect():
         async def refused():
             raise ValueError("prompt is too long")
 
-        watch = ClientWatch(Connection().receive)
+        watch = ClientWatch(FakeConnection().receive)
         job = asyncio.ensure_future(refused())
         await watch.first(job)  # returns: the work decided
         with pytest.raises(ValueError, match="too long"):
@@ -78,7 +58,7 @@ def test_the_works_exception_is_not_taken_for_a_disconnect():
 
 def test_a_client_that_leaves_first_raises_client_gone_and_calls_back():
     async def main():
-        conn = Connection()
+        conn = FakeConnection()
         watch = ClientWatch(conn.receive)
         called = []
         watch.on_gone(lambda: called.append(True))

@@ -8,7 +8,7 @@ from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import load_plugins
-from tests.core_helpers import fake_engine
+from tests.helpers import fake_engine
 
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 

@@ -11,7 +11,7 @@ from pagoda.plugins.builtin.disconnect_abort import AbortOnDisconnect
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.builtin.disconnect_finish import FinishOnDisconnect
 from pagoda.plugins.manager import collect_disconnect_policies, describe_plugins, load_plugins
-from tests.disconnect_helpers import (
+from tests.disconnect.helpers import (
     ONE_SLOT_ENGINE,
     PATHS,
     RawClient,

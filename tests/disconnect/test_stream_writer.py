@@ -8,41 +8,18 @@ from pagoda.api import stream_writer
 from pagoda.api.client_watch import CLIENT_DISCONNECT, SEND_STALL, ClientGone
 from pagoda.api.stream_writer import END, GONE, ResponseWriter, encode_ndjson, encode_sse
 from pagoda.plugins.protocol import Event
-
-
-class Connection:
-    """A fake ASGI send that records messages; it can fail, or hang from some message on."""
-
-    def __init__(self, fail_with=None, hang_from=None):
-        self.messages = []
-        self.fail_with = fail_with
-        self.hang_from = hang_from  # index of the first message that never completes
-
-    async def send(self, message):
-        if self.hang_from is not None and len(self.messages) >= self.hang_from:
-            await asyncio.Event().wait()  # like uvicorn's send waiting for a drain that never comes
-        if self.fail_with is not None:
-            raise self.fail_with
-        self.messages.append(message)
-
-    @property
-    def bodies(self):
-        return [m["body"] for m in self.messages if m["type"] == "http.response.body"]
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+from tests.helpers import FakeConnection, run
 
 
 def test_a_send_that_raises_oserror_is_a_disconnect():
-    writer = ResponseWriter(Connection(fail_with=ConnectionResetError()).send, stall_timeout=2.0)
+    writer = ResponseWriter(FakeConnection(fail_with=ConnectionResetError()).send, stall_timeout=2.0)
     with pytest.raises(ClientGone) as info:
         run(writer.start(200, []))
     assert info.value.reason == CLIENT_DISCONNECT and not writer.started
 
 
 def test_a_send_that_makes_no_progress_is_a_stall():
-    conn = Connection(hang_from=1)
+    conn = FakeConnection(hang_from=1)
     writer = ResponseWriter(conn.send, stall_timeout=0.05)
 
     async def main():
@@ -56,13 +33,13 @@ def test_a_send_that_makes_no_progress_is_a_stall():
 
 
 def test_other_send_errors_are_bugs_not_departures():
-    writer = ResponseWriter(Connection(fail_with=RuntimeError("unexpected message")).send, stall_timeout=2.0)
+    writer = ResponseWriter(FakeConnection(fail_with=RuntimeError("unexpected message")).send, stall_timeout=2.0)
     with pytest.raises(RuntimeError):
         run(writer.start(200, []))
 
 
 def test_a_stream_starts_with_a_comment_and_batches_what_waits():
-    conn = Connection()
+    conn = FakeConnection()
     writer = ResponseWriter(conn.send, stall_timeout=2.0)
     mailbox = asyncio.Queue()
     for chunk in (b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n", END):
@@ -75,7 +52,7 @@ def test_a_stream_starts_with_a_comment_and_batches_what_waits():
 
 
 def test_ndjson_streams_get_no_comment():
-    conn = Connection()
+    conn = FakeConnection()
     mailbox = asyncio.Queue()
     mailbox.put_nowait(b'{"a": 1}\n')
     mailbox.put_nowait(END)
@@ -86,7 +63,7 @@ def test_ndjson_streams_get_no_comment():
 
 def test_a_silence_gets_keep_alives_and_a_departure_ends_the_stream(monkeypatch):
     monkeypatch.setattr(stream_writer, "KEEPALIVE_SECONDS", 0.01)
-    conn = Connection()
+    conn = FakeConnection()
     mailbox = asyncio.Queue()
 
     async def main():

@@ -13,7 +13,6 @@ at the next step: at most k + 1 tokens in all.
 """
 
 import asyncio
-import json
 import threading
 
 import pytest
@@ -26,7 +25,7 @@ from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins import hookimpl
 from pagoda.plugins.manager import load_plugins
 from pagoda.plugins.protocol import ApiError, Endpoint, ErrorShape, Event, Generation
-from tests.core_helpers import fake_engine
+from tests.helpers import FakeConnection, await_condition, fake_engine
 
 K = 3  # steps allowed before the exit
 
@@ -81,42 +80,6 @@ class GatedRunner:
             self.allowed.release()
 
 
-class Connection:
-    """A scripted ASGI connection: the body, then a disconnect when told; sends can fail or hang."""
-
-    def __init__(self, body, fail_with=None, hang=False):
-        self.incoming = asyncio.Queue()
-        self.incoming.put_nowait({"type": "http.request", "body": json.dumps(body).encode(), "more_body": False})
-        self.messages = []
-        self.fail_with = fail_with  # raised by the first body send after `arm()`
-        self.hang = hang  # the first body send after `arm()` never completes
-        self.armed = False
-
-    async def receive(self):
-        return await self.incoming.get()
-
-    async def send(self, message):
-        if self.armed and message["type"] == "http.response.body":
-            if self.hang:
-                await asyncio.Event().wait()
-            if self.fail_with is not None:
-                raise self.fail_with
-        self.messages.append(message)
-
-    def arm(self):
-        self.armed = True
-
-    def leave(self):
-        self.incoming.put_nowait({"type": "http.disconnect"})
-
-    @property
-    def status(self):
-        return next((m["status"] for m in self.messages if m["type"] == "http.response.start"), None)
-
-    def events(self):
-        return sum(m.get("body", b"").count(b"data: ") for m in self.messages if m["type"] == "http.response.body")
-
-
 @pytest.fixture
 def server():
     engine = fake_engine(num_blocks=64, block_size=4, max_model_len=256)
@@ -140,8 +103,7 @@ def scope():
 
 
 async def the_request(engine):
-    while not engine.requests:
-        await asyncio.sleep(0.001)
+    await await_condition(lambda: engine.requests, "the request to reach the engine")
     (request,) = engine.requests.values()
     return request
 
@@ -149,8 +111,8 @@ async def the_request(engine):
 async def make_k_tokens(async_engine, runner, request, conn, stream):
     for _ in range(K):
         runner.allowed.release()
-    while request.num_output_tokens < K or (stream and conn.events() < K):
-        await asyncio.sleep(0.001)
+    await await_condition(lambda: request.num_output_tokens >= K and (not stream or conn.events() >= K),
+                          f"{K} tokens made and written")
 
 
 def run_exit(server, stream, exit_, conn_options=None, **body):
@@ -158,7 +120,8 @@ def run_exit(server, stream, exit_, conn_options=None, **body):
     app, async_engine, runner = server
 
     async def main():
-        conn = Connection({"prompt": [1, 2, 3], "max_tokens": 200, "stream": stream, **body}, **(conn_options or {}))
+        conn = FakeConnection.with_json({"prompt": [1, 2, 3], "max_tokens": 200, "stream": stream, **body},
+                                        bodies_only=True, armed=False, **(conn_options or {}))
         call = asyncio.ensure_future(app(scope(), conn.receive, conn.send))
         request = await the_request(async_engine.engine)
         await make_k_tokens(async_engine, runner, request, conn, stream)
@@ -222,7 +185,7 @@ def test_a_write_that_raises_something_else(server):
 
 
 def test_a_write_that_stalls(server):
-    conn = run_exit(server, True, next_write_fails, {"hang": True})  # returns after the 0.2 s deadline
+    conn = run_exit(server, True, next_write_fails, {"hang_from": 0})  # returns after the 0.2 s deadline
     assert conn.messages[-1]["more_body"]  # never completed: uvicorn closes such a connection
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from pagoda.model.config import ModelConfig, ModelConfigError
 from pagoda.model.loader import checkpoint_files, load_model, resolve_dtype
-from tests.test_llama import empty_caches, paged_step
+from tests.model.test_llama import empty_caches, paged_step
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@ from pagoda.core.batch import RunnerOutput
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import KVCacheExhausted
-from tests.core_helpers import drain, fake_engine, tokens
+from tests.helpers import drain, fake_engine, tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
 

@@ -19,32 +19,12 @@ from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import load_plugins
-from tests.core_helpers import fake_engine
+from tests.helpers import fake_engine, metric_values, wait_for
 from tests.server_fixtures import default_model_dir, start_server, tiny_model_dir, tiny_server  # noqa: F401
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a pagoda."}]
 HEALTH_KEYS = {"status", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "preemptions_total",
                "recomputed_tokens_total", "aborted_total", "generated_tokens_total", "requests_total"}
-
-
-def wait_for(condition, what, timeout=60.0):
-    """Poll `condition` until true (a deadline, not a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def metric_values(url):
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
-                                 if sample.labels and "le" not in sample.labels else "")
-            values[key] = sample.value
-    return values
 
 
 # -- health and metrics ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from pagoda.core.request import FinishReason
 from pagoda.plugins.manager import ENTRY_POINT_GROUP
-from tests.disconnect_helpers import (
+from tests.disconnect.helpers import (
     ENDPOINTS,
     EVERY_PATH,
     PATHS,

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.api.settings import ServeSettings
 from pagoda.core.request import Request
+from tests.helpers import metric_values, wait_for  # noqa: F401  (re-exported to the disconnect tests)
 from pagoda.harness.live_server import LiveServer, start_server
 from pagoda.plugins.client import ClientRequest, registered_endpoints
 from pagoda.plugins.manager import load_plugins
@@ -51,15 +52,6 @@ def request_body(protocol: str, *, max_tokens: int, stream: bool, prompt: str = 
     """A greedy request that runs its whole budget (ignore_eos), in the protocol's shape (its client half's)."""
     ask = ClientRequest(prompt, max_tokens, stream=stream, temperature=0.0, ignore_eos=True, model="m")
     return {**ENDPOINTS[protocol].client_request(ask), **extra}
-
-
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    """Poll `condition` until true (a deadline, not a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def new_request(live: LiveServer, known: set[str] | frozenset[str] = frozenset()) -> Request:
@@ -185,14 +177,3 @@ def access_log(caplog):
     return lambda: [r for r in caplog.records if r.name == "pagoda.access"]
 
 
-def metric_values(url: str) -> dict[str, float]:
-    """The /metrics samples as {'name{label=value,...}': value} (histogram buckets left out)."""
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "le" in sample.labels:
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
-    return values

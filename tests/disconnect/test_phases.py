@@ -9,7 +9,7 @@ import pytest
 
 from pagoda.api.stream_writer import KEEPALIVE, MEDIA_TYPES
 from pagoda.core.request import FinishReason, RequestStatus
-from tests.disconnect_helpers import (
+from tests.disconnect.helpers import (
     ENDPOINTS,
     EVERY_PATH,
     PATHS,

@@ -19,7 +19,7 @@ from pagoda.core.sampling_params import SamplingParams
 from pagoda.model import factory
 from pagoda.model.config import named_config
 from pagoda.model.llama import build_model
-from tests.test_batch_invariance import RecordingRunner
+from tests.model.test_batch_invariance import RecordingRunner
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
