@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +44,13 @@ class Engine:
         *,
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runner = runner
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
+        self.clock = clock  # arrival and the queue/prefill/decode stamps (the simulator's is virtual)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
@@ -74,7 +76,7 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=sampling_params,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             tenant=tenant,
         )
@@ -105,7 +107,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""
         outputs = self._apply_aborts()
-        started = time.monotonic()
+        started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -139,7 +141,7 @@ class Engine:
         for chunk, token in zip(batch.sample_chunks, sampled):
             request = chunk.request
             request.output_token_ids.append(token.token_id)
-            request.first_token_time = request.first_token_time or time.monotonic()
+            request.first_token_time = request.first_token_time or self.clock()
             self.counters.generated_tokens_total += 1
             text = request.text_stream.push(token.token_id) if request.text_stream else ""
             reason = self._finish_reason(request, token.token_id)
@@ -167,7 +169,7 @@ class Engine:
         """Take the request out of the scheduler (its blocks return now); returns held-back text."""
         self.scheduler.remove(request)
         del self.requests[request.request_id]
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         request.finish_reason = reason
         stream = request.text_stream
         if stream is not None and stream.stopped is None and reason is not FinishReason.ABORT:

@@ -130,7 +130,8 @@ class _CrowdRun:
         self.clock = VirtualClock()
         ec = config.engine
         runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
-        self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,))
+        self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,),
+                             clock=lambda: self.clock.now)
         self.results = {p.client_id: ClientResult(p.client_id) for p in plans}
         self.prompts: dict[str, list[int]] = {}  # the prompt each client that arrived was sent
         self.arrived_at: dict[str, float] = {}
