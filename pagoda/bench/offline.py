@@ -122,8 +122,21 @@ def hf_generate(hf_model, prompts: list[list[int]], max_tokens: int) -> torch.Te
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step must read: every parameter once (a tied LM head is the embedding)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes a decode step must read: every matmul weight once in the layout it is multiplied in, and the norms."""
+    norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+    return model.matmul_bytes() + norms
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (VmRSS), or None where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def render(rows: list[tuple[str, str, str]]) -> str:
@@ -173,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ours = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {args.num_prompts} prompts at once")
     solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode")
+    rss = resident_bytes()  # the packed weights (plain copies freed) and two KV pools, before the copy test
     copy_bw = measure_copy_bandwidth(device, 256 << 20)
     floor_s = weight_bytes(model) / copy_bw
     rows = [(ours.name, f"{ours.tokens_per_s:.1f}", ""),
@@ -180,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "
              f"{weight_bytes(model) / 1e6:.0f} MB per step at the copy bandwidth of {copy_bw / 1e9:.1f} GB/s; "
              f"weights streamed at {weight_bytes(model) * solo.tokens_per_s / 1e9:.1f} GB/s)")]
+    if rss is not None:
+        rows.append(("resident memory after both runs", "", f"{rss / 1e6:.0f} MB (matmul weights {model.matmul_bytes() / 1e6:.0f} MB, "
+                     f"{model.matmul.name})"))
     if args.compare_invariance:
         plain, _ = load(matmul="torch")
         backend = select_backend(device, "cpu_sdpa") if device.type == "cpu" else None

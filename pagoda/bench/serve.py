@@ -24,10 +24,13 @@ from typing import Any
 import httpx
 
 from pagoda.bench import serve_load as load
+from pagoda.bench.serve_baseline import baseline_lines, transformers_sequential
 from pagoda.bench.serve_client import Target, scrape_split, served_model, split_means
+from pagoda.bench.serve_peer import peer_process
 from pagoda.bench.serve_report import summarize, table, turn_table, write_json, write_plots
 from pagoda.bench.serve_server import pagoda_subprocess, serve_command
 from pagoda.bench.serve_workloads import WORKLOADS, Conversation, Prompt, conversations, prompts_for
+from pagoda.model.hub import resolve_model
 
 
 def _numbers(text: str) -> list[float]:
@@ -42,6 +45,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("servers")
     g.add_argument("--url", help="a running server (default: start a pagoda here)")
     g.add_argument("--peer-url", help="a second server given the same load; the table adds pagoda / peer ratios")
+    g.add_argument("--peer-command", help="start the peer here with this command line (it must listen at --peer-url);"
+                   " ready once --peer-url/health answers 200")
     g.add_argument("--api-key", help="bearer key for --url (or the pagoda started here)")
     g.add_argument("--peer-api-key")
     g.add_argument("--model-name", help="the request's model field (default: the server's first /v1/models id)")
@@ -52,13 +57,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--max-running", type=int)
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="another `pagoda serve` argument, repeatable (e.g. --server-arg=--max-batched-tokens=1024)")
-    g.add_argument("--server-ready-timeout", type=float, default=600.0, help="seconds for it to start listening")
+    g.add_argument("--server-ready-timeout", type=float, default=600.0, help="seconds for it (and a started peer) to be ready")
+    g.add_argument("--transformers", action="store_true",
+                   help="also time transformers' generate on the same prompts, one at a time (after the HTTP load)")
     g = p.add_argument_group("load")
     g.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument("--concurrency", type=_numbers, default=[1.0, 4.0, 16.0], help="closed-loop client counts")
     g.add_argument("--request-rate", type=_numbers, help="open-loop Poisson rates per second (instead of --concurrency)")
     g.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    g.add_argument("--num-requests-per-level", type=_numbers, metavar="N,N,...",
+                   help="closed loop: requests for each --concurrency level in turn (instead of --num-requests)")
     g.add_argument("--input-len", type=int, default=128, help="synthetic prompt words (~tokens)")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     g.add_argument("--crowd", help="a simulator crowd file (the crowd workload)")
@@ -80,6 +89,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workload == "chat":
         args.endpoint = "chat"  # conversations are chat messages
+    if args.num_requests_per_level is not None:
+        if args.request_rate or args.workload == "chat" or len(args.num_requests_per_level) != len(args.concurrency):
+            p.error("--num-requests-per-level needs one count per --concurrency level (closed loop only)")
+        args.num_requests = int(max(args.num_requests_per_level))  # what a synthetic workload generates
+    if args.peer_command and not args.peer_url:
+        p.error("--peer-command needs --peer-url: where the peer it starts will listen")
+    if args.transformers and args.workload == "chat":
+        p.error("--transformers times completion prompts; the chat workload has none")
     if (args.workload == "crowd") != bool(args.crowd):
         p.error("--crowd FILE.json goes with --workload crowd, and that workload needs it")
     if min(args.num_requests, args.turns, args.conversations, args.output_len) < 1:
@@ -99,10 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = args.url or stack.enter_context(pagoda_subprocess(
                 serve_command(args.model, dtype=args.dtype, num_blocks=args.num_blocks, max_running=args.max_running,
                               extra=args.server_arg), args.server_ready_timeout))
+            if args.peer_command:
+                stack.enter_context(peer_process(args.peer_command, args.peer_url, args.server_ready_timeout))
             targets = [Target("pagoda", url.rstrip("/"), api_key=args.api_key)]
             if args.peer_url:
                 targets.append(Target("peer", args.peer_url.rstrip("/"), api_key=args.peer_api_key))
             summaries, records = asyncio.run(run(args, targets, prompts, convs))
+        # after the servers have stopped: the baseline gets the machine to itself
+        baseline = transformers_sequential(resolve_model(args.model), prompts) if args.transformers else None
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"pagoda bench serve: {exc}", file=sys.stderr)
         return 2
@@ -110,9 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "chat":
         print()
         print(turn_table(summaries))
+    if baseline is not None:
+        print()
+        print(baseline_lines(baseline, summaries))
     if args.json:
         write_json(args.json, {k: v for k, v in vars(args).items() if k not in ("api_key", "peer_api_key")},
-                   summaries, records)
+                   summaries, records, baseline)
     if args.plot_dir:
         written = write_plots(args.plot_dir, summaries, records)
         print("plots: " + (", ".join(map(str, written)) if written else "skipped (matplotlib is not installed)"))
@@ -149,7 +173,8 @@ async def run(args: argparse.Namespace, targets: list[Target], prompts: list[Pro
                 warm = await load.warm_up(http, target, cfg, prompts[0] if prompts else Prompt("Hello", 8))
                 if not warm.ok:
                     raise RuntimeError(f"the warm-up request to {target.url} failed: {warm.error}")
-        for level in levels:
+        per_level = args.num_requests_per_level or [args.num_requests] * len(levels)
+        for level, num_requests in zip(levels, (int(n) for n in per_level)):
             if loop.time() >= deadline:
                 break  # the deadline has passed: the levels left are not run
             for target in targets:
@@ -160,7 +185,7 @@ async def run(args: argparse.Namespace, targets: list[Target], prompts: list[Pro
                     result = await load.open_loop(http, target, cfg, prompts, args.num_requests, level, args.seed,
                                                   deadline)
                 else:
-                    result = await load.closed_loop(http, target, cfg, prompts, args.num_requests, int(level), deadline)
+                    result = await load.closed_loop(http, target, cfg, prompts, num_requests, int(level), deadline)
                 split = split_means(before, await scrape_split(http, target))
                 summaries.append(summarize(target.name, kind, level, result, split, slo_ttft_ms=args.slo_ttft_ms,
                                            slo_tpot_ms=args.slo_tpot_ms))

@@ -135,11 +135,13 @@ def turn_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def write_json(path: str | Path, config: dict[str, Any], summaries: list[dict[str, Any]],
-               records: list[RequestRecord]) -> None:
+               records: list[RequestRecord], baseline: dict[str, Any] | None = None) -> None:
     """The result file: the run's settings, every summary, the pagoda / peer ratios, every per-request record."""
     result = {"config": config, "summaries": summaries,
               "ratios": [{"level": level, **r} for level, r in level_ratios(summaries).items()],
               "records": [r.to_json() for r in records]}
+    if baseline is not None:
+        result["baseline"] = baseline
     Path(path).write_text(json.dumps(result, indent=1))
 
 

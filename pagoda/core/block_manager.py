@@ -52,6 +52,9 @@ class BlockManager:
         self._hash_of: list[int | None] = [None] * num_blocks
         self._key_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (parent hash, tokens)
         self._num_offered: dict[str, int] = {}  # request -> leading table blocks already offered to the cache
+        # hash -> the (parent hash, tokens) key object the audit last hashed to it: an unchanged key
+        # (the same immutable tuple) need not be hashed again on every audit
+        self._audited_keys: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     # -- counters --------------------------------------------------------
     @property
@@ -212,6 +215,34 @@ class BlockManager:
             self._audit_held_cached_blocks(request_id, table, num_computed, tokens)
 
     def _audit_pool(self) -> None:
+        if self._pool_consistent():
+            return
+        self._explain_pool()
+
+    def _pool_consistent(self) -> bool:
+        """The pool checks of `_explain_pool` as whole-list comparisons (it runs every step); True when all hold."""
+        refs, hash_of = self._ref_counts, self._hash_of
+        holders = [0] * self.num_blocks
+        for table in self._tables.values():
+            if len(set(table)) != len(table):
+                return False
+            for block_id in table:
+                holders[block_id] += 1
+        if holders != refs:
+            return False
+        free_set, cached_free_set = set(self._free), set(self._cached_free)
+        unowned = {block_id for block_id, n in enumerate(refs) if n == 0}
+        return (
+            len(free_set) == len(self._free)
+            and not free_set & cached_free_set
+            and free_set | cached_free_set == unowned
+            and all(hash_of[block_id] is None for block_id in free_set)
+            and all(hash_of[block_id] is not None for block_id in cached_free_set)
+            and all(hash_of[block_id] is not None for block_id, n in enumerate(refs) if n > 1)
+        )
+
+    def _explain_pool(self) -> None:
+        """The pool checks block by block, raising AuditError naming the first that fails."""
         free, cached_free = list(self._free), list(self._cached_free)
         free_set, cached_free_set = set(free), set(cached_free)
         if len(free_set) != len(free):
@@ -247,6 +278,13 @@ class BlockManager:
     def _audit_cache(self) -> None:
         if not self.enable_prefix_caching and self._cached:
             raise AuditError("blocks are cached with prefix caching off")
+        carried = {h: block_id for block_id, h in enumerate(self._hash_of) if h is not None}
+        if len(carried) != len(self._hash_of) - self._hash_of.count(None) or carried != self._cached:
+            self._explain_carriers()
+        self._audit_cached_keys()
+
+    def _explain_carriers(self) -> None:
+        """Hash carriers against the cache map, raising AuditError naming the first mismatch."""
         carriers: dict[int, list[int]] = {}
         for block_id, h in enumerate(self._hash_of):
             if h is not None:
@@ -258,10 +296,17 @@ class BlockManager:
                 raise AuditError(f"block {blocks[0]} carries hash {h:#x}, which the cache does not map to it")
         if len(self._cached) != len(carriers):
             raise AuditError(f"the cache maps {len(self._cached)} hashes but {len(carriers)} blocks carry one")
+
+    def _audit_cached_keys(self) -> None:
+        """Every cached block's stored (parent, tokens) hashes to its hash; a key already checked is not rehashed."""
+        audited, self._audited_keys = self._audited_keys, {}
         for h, block_id in self._cached.items():
-            parent, tokens = self._key_of[block_id]
-            if len(tokens) != self.block_size or hashing.hash_block(parent, tokens) != h:
-                raise AuditError(f"block {block_id}'s hash does not match the tokens it holds")
+            key = self._key_of[block_id]
+            if key is None or audited.get(h) is not key:
+                parent, tokens = key
+                if len(tokens) != self.block_size or hashing.hash_block(parent, tokens) != h:
+                    raise AuditError(f"block {block_id}'s hash does not match the tokens it holds")
+            self._audited_keys[h] = key
 
     def _audit_held_cached_blocks(
         self, request_id: str, table: list[int], num_computed: int, tokens: Sequence[int] | None

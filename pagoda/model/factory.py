@@ -13,6 +13,7 @@ line read them from there.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,13 +40,15 @@ class EngineOptions:
     max_running: int = EngineConfig.max_running
     max_batched_tokens: int = EngineConfig.max_batched_tokens
     max_model_len: int | None = None
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching  # --no-prefix-caching turns it off
+    max_waiting: int | None = EngineConfig.max_waiting  # --max-waiting: a fuller queue refuses new requests (429)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running", "max_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "max_model_len"):
+        for name in ("num_blocks", "max_model_len", "max_waiting"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,14 +73,30 @@ def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -
         raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
     max_model_len = options.max_model_len or context
     model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len)
-    num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, dtype, device,
+    kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
+    num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, kv_dtype, device,
                                                        max_model_len=max_model_len)
     config = EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
-                          max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len)
+                          max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
+                          enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting)
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
-    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, context %d",
-                model_dir, device, str(dtype).removeprefix("torch."), num_blocks, options.block_size, max_model_len)
+    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, context %d, prefix caching %s",
+                model_dir, device, str(dtype).removeprefix("torch."), num_blocks, options.block_size, max_model_len,
+                "on" if options.enable_prefix_caching else "off")
     return make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer)
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The sampling defaults a model ships in its generation_config.json (vLLM's keys); {} when it has none."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in GENERATION_DEFAULT_KEYS if isinstance(config.get(k), (int, float))
+            and not isinstance(config.get(k), bool)}
 
 
 def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engine, Tokenizer, Path]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagoda.model.config import ModelConfig
-from pagoda.model.matmul import PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
+from pagoda.model.matmul import ONEDNN_BF16, PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
 
 
 @dataclass
@@ -204,13 +204,22 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _packs(self) -> list[tuple[PackedWeight, Tensor]]:
-        packs = [(m.packed, m.weight) for m in self.modules() if isinstance(m, Linear)]
+        # an untied LM head multiplies through lm_head_packed, not through its Linear
+        packs = [(m.packed, m.weight) for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
         return packs + [(self.lm_head_packed, self.lm_head_weight)]
 
-    def pack_weights(self) -> None:
-        """Reorder every matmul weight into the kernel's layout once (a copy: the plain weights stay)."""
+    def pack_weights(self, release: bool = False) -> None:
+        """Reorder every matmul weight into the kernel's layout once.
+
+        A copy: with `release` the plain weights of the linear layers are freed (not the embedding,
+        which a tied LM head shares and the lookup reads), so packing costs no extra memory.
+        """
         for packed, weight in self._packs():
-            packed.pack(weight)
+            packed.pack(weight, release=release and packed is not self.lm_head_packed)
+
+    def matmul_bytes(self) -> int:
+        """Bytes of matmul weights one forward reads, in the layout they are multiplied in."""
+        return sum(packed.nbytes(weight) for packed, weight in self._packs())
 
     def unpack_weights(self) -> None:
         """Drop the reordered copies; products read the plain weights again."""
@@ -256,9 +265,14 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
     """A Transformer with uninitialised weights allocated directly on `device` (fill with load_weights).
 
     `matmul` defaults to `select_matmul(device, dtype)`; a name picks one of the kernels.
+    On a CPU with native bfloat16 products, bfloat16 means bfloat16 weights (`onednn_bf16`, packed by
+    the runner) and a float32 model around them: the CPU's elementwise ops and attention are slower in
+    bfloat16 than in float32, and float32 activations, norms and KV cache keep the rounding to the weights.
     """
     if not isinstance(matmul, MatmulKernel):
         matmul = select_matmul(device, dtype, matmul)
+    if matmul is ONEDNN_BF16:
+        dtype = torch.float32  # the kernel holds the bfloat16 copy of each weight
     model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta")
     model.to_empty(device=device)
     model.init_rope()

@@ -56,16 +56,39 @@ ONEDNN_PACKED = MatmulKernel("onednn_packed", 4, _onednn_linear, _onednn_pack)
 # MKL sgemm computes rows in groups of four; a row in a remainder group (or a
 # lone row) takes another path. Padding to four rows is slower than oneDNN.
 MKL_PADDED = MatmulKernel("mkl", 4, F.linear)
+
+
+def _bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    # x [T, in] float32 -> bfloat16 operands, float32 accumulation in oneDNN, an output rounded to
+    # bfloat16 (oneDNN's output dtype is its input's), returned as float32 [T, out]
+    if not weight.is_mkldnn and weight.dtype != torch.bfloat16:
+        weight = weight.to(torch.bfloat16)  # not packed yet (weights still loading)
+    out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, None, "none", [], "").to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _bf16_pack(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), None)
+
+
+# bfloat16 weights in oneDNN's blocked layout, everything else float32: on a CPU with
+# AVX512-BF16 (or AMX) the products stream half the bytes (decode: ~3x faster at 4 rows,
+# ~2x at 64, 2 threads). Activations are rounded to bfloat16 per row, which is row-wise;
+# the brgemm path gave every row the same bits for 1 to 64 rows (tests/model/test_llama.py),
+# and rows are padded to 4 like onednn_packed all the same.
+ONEDNN_BF16 = MatmulKernel("onednn_bf16", 4, _bf16_linear, _bf16_pack)
 PLAIN = MatmulKernel("torch", 1, F.linear)  # GPUs, and CPU runs that opt out of invariance
 
 
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
-    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED, PLAIN)}
+    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")
         return kernels[name]
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and has_onednn_bf16():
+        return ONEDNN_BF16
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return PLAIN
     if not _has_onednn_linear():
@@ -78,6 +101,17 @@ def _has_onednn_linear() -> bool:
         return False
     try:
         _onednn_linear(torch.zeros(2, 4), torch.zeros(3, 4), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def has_onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 products natively here (AVX512-BF16 or AMX) and its pack works."""
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        _bf16_linear(torch.zeros(4, 4), _bf16_pack(torch.zeros(3, 4)), None)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
@@ -102,24 +136,40 @@ class PackedWeight:
         self.matmul = matmul
         self.packed: Tensor | None = None
         self.key: tuple[int, int] | None = None
+        self.released = False  # the plain weight was freed: the pack is the only copy
 
-    def pack(self, weight: Tensor) -> None:
-        """Snapshot `weight` in the kernel's layout (no-op for kernels that use it as is)."""
-        if self.matmul.pack is not None:
-            with torch.no_grad():
-                self.packed = self.matmul.pack(weight)
-            self.key = (weight.data_ptr(), weight._version)
+    def pack(self, weight: Tensor, release: bool = False) -> None:
+        """Snapshot `weight` in the kernel's layout (no-op for kernels that use it as is).
+
+        With `release` the plain weight's storage is freed afterwards (its parameter becomes an
+        empty tensor), so the packed copy does not double the weight memory; it is then final.
+        """
+        if self.matmul.pack is None or self.released:
+            return
+        with torch.no_grad():
+            self.packed = self.matmul.pack(weight)
+        self.key = (weight.data_ptr(), weight._version)
+        if release:
+            weight.data = weight.data.new_empty(0)
+            self.released = True
 
     def clear(self) -> None:
+        if self.released:
+            raise RuntimeError("the plain weight was released after packing: load the model again")
         self.packed, self.key = None, None
 
     def operand(self, weight: Tensor) -> Tensor:
         """The tensor to multiply by: the pack when there is one (repacked if stale), else the weight."""
         if self.packed is None:
             return weight
-        if self.key != (weight.data_ptr(), weight._version):
+        if not self.released and self.key != (weight.data_ptr(), weight._version):
             self.pack(weight)
         return self.packed
+
+    def nbytes(self, weight: Tensor) -> int:
+        """Bytes a product reads: the pack's when there is one, else the plain weight's."""
+        t = self.packed if self.packed is not None else weight
+        return t.numel() * t.element_size()
 
 
 class Linear(nn.Linear):

@@ -50,7 +50,8 @@ class TorchModelRunner:
     def __init__(self, model: Transformer, config: EngineConfig, *,
                  backend: AttentionBackend | None = None, row_multiple: int | None = None) -> None:
         self.model = model
-        model.pack_weights()  # weights are loaded by now: reorder them for the matmul kernel once
+        # weights are loaded by now: reorder them for the matmul kernel once, freeing the plain copies
+        model.pack_weights(release=True)
         self.model_config: ModelConfig = model.config
         self.vocab_size = self.model_config.vocab_size
         self.num_blocks, self.block_size = config.num_blocks, config.block_size  # the pool the scheduler hands out

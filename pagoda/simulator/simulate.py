@@ -62,11 +62,13 @@ class SimulationReport:
     prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache (prompt + output on a resume)
     prefix_hit_tokens: int  # of which were found there and not computed
     steps: int
+    solo_steps: int  # the solo reruns' steps, all together
     simulated_seconds: float
     pool: dict[str, int]
     audit: str
     matches_solo: bool
     wall_seconds: float
+    wall_us_per_step: float  # wall time over every step taken (crowd pass and solo reruns), events and audits included
     max_steps_to_release: int
     results: list[ClientResult]
 
@@ -88,13 +90,16 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
     run = _CrowdRun(plans, config)
     audit = run.run()
     matches = True
+    solo_steps = 0
     if check_solo:
         for result in run.results.values():
             if result.status == "completed":
                 solo = _CrowdRun([run.sent_plan(result.client_id).alone()], config)
                 solo.run()
+                solo_steps += solo.steps
                 result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
                 matches = matches and result.matches_solo
+    wall = time.perf_counter() - started
     engine = run.engine
     stats = engine.stats()
     results = list(run.results.values())
@@ -111,11 +116,13 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
         prefix_queried_tokens=stats["prefix_cache_queried_tokens_total"],
         prefix_hit_tokens=stats["prefix_cache_hit_tokens_total"],
         steps=run.steps,
+        solo_steps=solo_steps,
         simulated_seconds=round(run.clock.now, 6),
         pool={"total": stats["kv_blocks_total"], "free": stats["kv_blocks_free"]},
         audit=audit,
         matches_solo=matches,
-        wall_seconds=round(time.perf_counter() - started, 3),
+        wall_seconds=round(wall, 3),
+        wall_us_per_step=round(1e6 * wall / max(1, run.steps + solo_steps), 1),
         max_steps_to_release=max((r.steps_to_release or 0 for r in results), default=0),
         results=results,
     )

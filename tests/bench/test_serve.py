@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
+import socket
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pagoda.bench.serve import main
@@ -115,3 +119,56 @@ def test_a_crowd_workload_without_its_file_is_refused():
     with pytest.raises(SystemExit) as exc:
         main(["--workload", "crowd", "--url", "http://127.0.0.1:9"])
     assert exc.value.code == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # an ephemeral port the peer will listen on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_peer_command_is_started_waited_for_and_loaded(tiny_server, tiny_model_dir: Path, tmp_path: Path):
+    port = _free_port()
+    command = shlex.join([sys.executable, "-m", "pagoda", "serve", "--host", "127.0.0.1", "--port", str(port),
+                          "--model", str(tiny_model_dir), "--dtype", "float32", "--num-blocks", "64",
+                          "--max-running", "8", "--log-level", "warning"])
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--peer-url", f"http://127.0.0.1:{port}",
+                       "--peer-command", command, "--concurrency", "2", "--num-requests", "2")
+    assert sum(r["server"] == "peer" and r["ok"] for r in result["records"]) == 2
+    with pytest.raises(httpx.TransportError):  # the bench stopped the peer it started
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0)
+
+
+def test_a_peer_command_that_exits_is_reported(tiny_server, capsys):
+    command = shlex.join([sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"])
+    code = main([*QUICK, "--url", tiny_server.url, "--peer-url", f"http://127.0.0.1:{_free_port()}",
+                 "--peer-command", command])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "exited (3) before it was ready" in err and "no model here" in err
+
+
+def test_a_peer_command_needs_the_peer_url():
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:9", "--peer-command", "true"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.slow
+def test_the_transformers_baseline_runs_the_same_prompts_one_at_a_time(tiny_server, tiny_model_dir: Path,
+                                                                         tmp_path: Path, capsys):
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--model", str(tiny_model_dir), "--workload", "paragraphs",
+                       "--concurrency", "2", "--num-requests", "2", "--transformers")
+    baseline = result["baseline"]
+    assert (baseline["requests"], baseline["output_tokens"]) == (16, 16 * 4)  # 16 topics, 4 tokens forced
+    assert baseline["out_tok_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "transformers generate, one at a time" in out and "| 2 | pagoda |" in out
+
+
+def test_each_concurrency_level_can_send_its_own_number_of_requests(tiny_server, tmp_path: Path):
+    result = run_bench(tmp_path, "--url", tiny_server.url, "--concurrency", "1,3", "--num-requests-per-level", "2,3")
+    assert sorted((r["level"], r["index"]) for r in result["records"]) == [(1, 0), (1, 1), (3, 0), (3, 1), (3, 2)]
+    with pytest.raises(SystemExit):
+        main(["--url", tiny_server.url, "--concurrency", "1,3", "--num-requests-per-level", "2"])

@@ -8,6 +8,7 @@ streams over many steps is the evidence.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagoda.core.engine_config import EngineConfig
@@ -16,6 +17,7 @@ from pagoda.model.config import named_config
 from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
+from pagoda.model.matmul import ONEDNN_BF16
 from pagoda.model.runner import TorchModelRunner
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
 
@@ -107,8 +109,9 @@ def check_invariance(model, targets, *, tight_blocks):
         assert_same_logits(engine, alone_rows, rid)
 
 
-def test_tiny_model_tokens_are_batch_invariant():
-    model = build_model(named_config("tiny"), max_positions=512)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tiny_model_tokens_are_batch_invariant(dtype):
+    model = build_model(named_config("tiny"), max_positions=512, dtype=dtype)  # bfloat16: onednn_bf16 where native
     model.init_random_weights(seed=5, std=0.1)
     gen = torch.Generator().manual_seed(11)
     targets = [
@@ -118,8 +121,12 @@ def test_tiny_model_tokens_are_batch_invariant():
     check_invariance(model, targets, tight_blocks=24)
 
 
-def test_default_model_tokens_are_batch_invariant(default_model_dir):  # noqa: F811
-    model, _ = load_model(default_model_dir, "float32", "cpu", max_positions=512)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_default_model_tokens_are_batch_invariant(default_model_dir, dtype):  # noqa: F811
+    """Every default CPU weight format: float32 (onednn_packed) and, where native, bfloat16 (onednn_bf16)."""
+    model, _ = load_model(default_model_dir, dtype, "cpu", max_positions=512)
+    if dtype == "bfloat16" and model.matmul is not ONEDNN_BF16:
+        pytest.skip("no native bfloat16 products on this CPU")
     from pagoda.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)

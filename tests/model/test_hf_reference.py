@@ -111,3 +111,39 @@ def test_generate_command_answers_paris(default_model_dir, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out.strip() == "The capital of France is Paris."
     assert "tokens/s" in err
+
+
+def format_quality(hf_model, runner, tokenizer, max_tokens=32):
+    """A weight format against transformers' float32, teacher-forced on transformers' greedy answers.
+
+    Returns (greedy agreement: the share of answer positions where the format's argmax is
+    transformers' token, mean |delta logprob| of transformers' token over those positions).
+    """
+    agree, deltas = [], []
+    for text in PROMPTS:
+        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
+        answer = hf_greedy(hf_model, ids, max_tokens)
+        full = ids + answer
+        with torch.no_grad():
+            theirs = torch.log_softmax(hf_model(torch.tensor([full])).logits[0].float(), -1)
+        ours = torch.log_softmax(pagoda_prompt_logits(runner, full), -1)
+        rows = torch.arange(len(ids) - 1, len(full) - 1)  # the position before each answer token
+        target = torch.tensor(answer)
+        agree += (ours[rows].argmax(-1) == target).tolist()
+        deltas += (ours[rows, target] - theirs[rows, target]).abs().tolist()
+    return sum(agree) / len(agree), sum(deltas) / len(deltas)
+
+
+@pytest.mark.slow
+def test_bfloat16_weights_stay_close_to_transformers_float32(hf_model, default_model_dir, default_tokenizer):  # noqa: F811
+    from pagoda.model.matmul import ONEDNN_BF16
+
+    model, _ = load_model(default_model_dir, "bfloat16", "cpu", max_positions=1024)
+    if model.matmul is not ONEDNN_BF16:
+        pytest.skip("no native bfloat16 products on this CPU")
+    config = EngineConfig(num_blocks=256, block_size=16, max_running=8, max_batched_tokens=256, max_model_len=1024)
+    engine = make_engine(model, config, eos_token_ids=(2,))
+    agreement, mean_delta = format_quality(hf_model, engine.runner, default_tokenizer)
+    print(f"bfloat16 weights: greedy agreement {agreement:.3f}, mean |delta logprob| {mean_delta:.4f}")
+    # docs/performance.md records the measured values; these bounds catch a broken format, not noise
+    assert agreement >= 0.9 and mean_delta <= 0.1, (agreement, mean_delta)

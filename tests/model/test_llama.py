@@ -7,7 +7,7 @@ import torch
 
 from pagoda.model.config import named_config
 from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_freq, rope_tables
-from pagoda.model.matmul import MKL_PADDED, ONEDNN, ONEDNN_PACKED, PLAIN, select_matmul
+from pagoda.model.matmul import MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, has_onednn_bf16, select_matmul
 from pagoda.kernels import AttentionMetadata, allocate_kv_cache, select_backend
 
 BLOCK_SIZE = 4
@@ -106,6 +106,7 @@ SIZES = list(range(1, 65)) + [100, 257, 1024]
 SAMPLE_SIZES = list(range(1, 18)) + [33, 64]  # rows reaching the LM head: one per sampling sequence
 HAS_ONEDNN = select_matmul("cpu") in (ONEDNN, ONEDNN_PACKED)
 CPU_KERNELS = [k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED) if k is MKL_PADDED or HAS_ONEDNN]
+CPU_KERNELS += [ONEDNN_BF16] if has_onednn_bf16() else []
 
 
 def _padded(fn, x, multiple):
@@ -132,7 +133,27 @@ def _row_is_invariant(fn, width, multiple, sizes=SIZES, seed=0):
 
 def test_cpu_float32_default_is_a_batch_invariant_kernel():
     assert select_matmul("cpu").row_multiple > 1
-    assert select_matmul("cpu", torch.bfloat16) is PLAIN  # no invariance claimed outside float32
+    bf16 = select_matmul("cpu", torch.bfloat16)  # bfloat16 weights only where oneDNN multiplies them natively
+    assert bf16 is (ONEDNN_BF16 if has_onednn_bf16() else PLAIN)
+    assert select_matmul("cpu", torch.float16) is PLAIN  # no invariance claimed for float16
+
+
+def test_cpu_bfloat16_model_keeps_float32_activations_and_frees_plain_weights():
+    model = build_model(named_config("tiny"), max_positions=64, dtype=torch.bfloat16)
+    if model.matmul is not ONEDNN_BF16:
+        pytest.skip("no native bfloat16 products on this CPU")
+    assert next(model.parameters()).dtype == torch.float32
+    model.init_random_weights(seed=0)
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(4, lin.in_features)
+    want = x.to(torch.bfloat16).float() @ lin.weight.to(torch.bfloat16).float().T
+    before = model.matmul_bytes()
+    model.pack_weights(release=True)
+    assert lin.weight.numel() == 0 and model.matmul_bytes() < before  # the bf16 pack is the only copy
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), want, rtol=8e-3, atol=1e-4)  # oneDNN rounds its output to bf16
+    with pytest.raises(RuntimeError, match="released"):
+        model.init_random_weights(seed=1)
 
 
 @pytest.mark.parametrize("matmul", CPU_KERNELS, ids=lambda k: k.name)

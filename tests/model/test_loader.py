@@ -97,9 +97,12 @@ def test_dtypes(tmp_path):
     _, d = save_hf(tmp_path, "llama")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    model, _ = load_model(d, "bfloat16", "cpu")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.rope_cos.dtype == torch.bfloat16
+    model, _ = load_model(d, "float16", "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert model.rope_cos.dtype == torch.float16
+    model, _ = load_model(d, "bfloat16", "cpu")  # native bf16 products: bf16 weights, float32 model around them
+    want = torch.float32 if model.matmul.name == "onednn_bf16" else torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {want} and model.rope_cos.dtype == want
     with pytest.raises(ValueError, match="dtype must be auto or one of"):
         resolve_dtype("float8", torch.device("cpu"))
 
