@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -69,6 +70,8 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template does not parse: {e} (line {e.lineno})") from e
         self.source = source
+        # Hugging Face's own test: a template that reads a `tools` variable renders tool lists itself.
+        self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
     def render(
         self,
@@ -76,12 +79,17 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         special_tokens: Mapping[str, str | None] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """The prompt text for `messages`; `special_tokens` gives bos_token, eos_token, ... by name."""
+        """The prompt text for `messages`; `special_tokens` gives bos_token, eos_token, ... by name; `tools` (the
+        OpenAI function shape) is handed to a template that reads it (messages may then carry `tool_calls` and
+        `tool` results as Hugging Face templates expect them)."""
         _check_messages(messages)
         context: dict[str, Any] = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         context.update(extra)
+        if tools is not None:
+            context["tools"] = [dict(t) for t in tools]
         context["messages"] = [dict(m) for m in messages]
         context["add_generation_prompt"] = add_generation_prompt
         try:

@@ -37,10 +37,24 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], field: str = "response_format") -> Constraint:
-        """A constraint to JSON matching `schema` (kept as canonical JSON text, so equal schemas share a key)."""
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+        """A constraint to JSON matching `schema`, kept as compact JSON text in the caller's key order.
+
+        Not sorted: the grammar emits an object's properties in the schema's order, which is the caller's.
+        """
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)
 
     @property
     def key(self) -> str:
         """A stable name for the compile cache."""
         return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
+
+
+class ConstraintError(ValueError):
+    """A constraint the engine cannot compile (a bad or unsupported schema, regex or grammar): an admission error.
+
+    `field` is the constraint's protocol field, so the server's 400 names it (`param`).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

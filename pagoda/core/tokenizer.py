@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ from pagoda.core.chat_template import ChatTemplate
 from pagoda.core.text_stream import TextStream
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True)
+class TokenVocab:
+    """A vocabulary as a grammar engine reads it: each id's token as stored, and how tokens encode text."""
+
+    tokens: tuple[str, ...]  # by id; "" where no token has that id
+    encoding: str  # "byte_level" (GPT-2 style, 'Ġ' = space), "byte_fallback" ('<0x0A>' pieces) or "raw"
+    add_prefix_space: bool = False  # the tokenizer puts a space before the text
 
 
 class Tokenizer:
@@ -81,6 +91,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """The chat template renders a tool list itself (else the protocols write the default tool prompt)."""
+        return self._chat_template is not None and self._chat_template.takes_tools
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are matched whole."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -102,6 +117,28 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
 
+    def token_vocab(self) -> TokenVocab:
+        """Every token by id and the vocabulary's encoding, read from the tokenizer.json pipeline."""
+        tokens = [""] * self.vocab_size
+        for token, token_id in self.backend.get_vocab(with_added_tokens=True).items():
+            if 0 <= token_id < len(tokens):
+                tokens[token_id] = token
+        pipeline = json.loads(self.backend.to_str())
+        pre = _components(pipeline.get("pre_tokenizer")) + _components(pipeline.get("normalizer"))
+        if (pipeline.get("model") or {}).get("byte_fallback"):
+            encoding = "byte_fallback"
+        elif any(c.get("type") == "ByteLevel" for c in pre + _components(pipeline.get("decoder"))):
+            encoding = "byte_level"
+        else:
+            encoding = "raw"
+        prefix_space = any(
+            (c.get("type") == "ByteLevel" and c.get("add_prefix_space"))
+            or (c.get("type") == "Metaspace" and c.get("prepend_scheme", "always") != "never")
+            or (c.get("type") == "Prepend")
+            for c in pre
+        )
+        return TokenVocab(tuple(tokens), encoding, bool(prefix_space))
+
     def text_stream(self, stop: Sequence[str] = ()) -> TextStream:
         """A fresh incremental detokenizer for one request's output."""
         return TextStream(self.decode, stop, skip_token_ids=self.special_token_ids)
@@ -116,6 +153,14 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
+
+
+def _components(step: Any) -> list[dict[str, Any]]:
+    """A tokenizer.json pipeline step and, for a Sequence, its members, flattened."""
+    if not isinstance(step, Mapping):
+        return []
+    members = step.get("pretokenizers") or step.get("normalizers") or step.get("decoders") or []
+    return [dict(step)] + [c for m in members for c in _components(m)]
 
 
 def _token_content(value: Any) -> str | None:

@@ -106,3 +106,17 @@ def test_errors():
         ChatTemplate("x").render("not a list")
     with pytest.raises(ValueError, match=r"messages\[1\]"):
         ChatTemplate("x").render([{"role": "user"}, {"content": "no role"}])
+
+
+def test_a_template_that_reads_tools_gets_them_and_says_so():
+    source = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% endif %}"
+              "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+              "{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}"
+              "{% endfor %}")
+    template = ChatTemplate(source)
+    assert template.takes_tools and not ChatTemplate("{{ messages[0].content }}").takes_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    text = template.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls}],
+                           add_generation_prompt=False, tools=tools)
+    assert text == '[get_weather]user:hiassistant:<get_weather {"city": "Paris"}>'

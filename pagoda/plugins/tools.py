@@ -1,0 +1,245 @@
+"""Tools as the protocols share them: the tool list, the choice, and the parser type a model family's format plugs into.
+
+A protocol reads its own fields into `Tool`s and a `ToolChoice`; a `ToolParser` (registered by a plugin through
+`pagoda_register_tool_parsers`, picked by `pagoda serve --tool-parser NAME`) owns everything about the model's
+call syntax: the default prompt that teaches it to a model whose chat template knows no tools, how a past call
+is written back into the prompt, the constraint that forces a valid call, and reading calls out of the text,
+whole (`parse`) or as it streams (`stream().feed(delta)`). A call is written as
+
+    BEGIN {"name": NAME, "<key>": ARGUMENTS} END        e.g. <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+and its `arguments` are reported as the exact JSON text the model wrote, so the fragments a stream sends join
+into what the unary answer holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+
+from pagoda.core.constraint import Constraint
+from pagoda.plugins.protocol import RequestError
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] | None = None  # None = any object
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return dict(self.parameters) if self.parameters else {"type": "object"}
+
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as chat templates and the default prompt list it ({"type": "function", "function": ...})."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.schema}}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """none: no calls; auto: text or calls; required: at least one call; named: a call of `name`."""
+
+    mode: Literal["none", "auto", "required", "named"] = "auto"
+    name: str | None = None
+    parallel: bool = True  # more than one call in an answer
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the JSON text the model wrote
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str
+    calls: list[ParsedCall]
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    index: int
+
+
+ToolEvent = TextDelta | CallStarted | ArgumentsDelta | CallEnded
+
+
+def check_schema(schema: Any, field: str) -> dict[str, Any]:
+    """A JSON schema that is itself valid (Draft 2020-12), or a RequestError naming `field`."""
+    if not isinstance(schema, Mapping):
+        raise RequestError(f"{field} must be a JSON schema object", field)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise RequestError(f"{field} is not a valid JSON schema: {exc.message}", field) from None
+    return dict(schema)
+
+
+def check_tools(tools: Sequence[Tool], choice: ToolChoice, field: str, choice_field: str) -> None:
+    """Names are unique and a named choice names one of them."""
+    names = [t.name for t in tools]
+    for i, name in enumerate(names):
+        if not name or names.index(name) != i:
+            raise RequestError(f"{field}[{i}]: tool names must be non-empty and unique, got {name!r}", field)
+    if choice.mode == "named" and choice.name not in names:
+        raise RequestError(f"{choice_field} names {choice.name!r}, which is not in {field}", choice_field)
+    if choice.forced and not tools:
+        raise RequestError(f"{choice_field} {choice.mode!r} needs at least one tool in {field}", choice_field)
+
+
+class ToolParser:
+    """A model family's call syntax; subclass it and set the class attributes (see the module's docstring)."""
+
+    name: str  # what --tool-parser names
+    begin: str = ""  # written before each call ("" = calls only at the start of the answer)
+    end: str = ""  # written after each call
+    key: str = "arguments"  # the wrapper's key for the arguments
+    trigger: str = ""  # the text that starts a call when the model may choose (a prefix of call_prefix)
+
+    # -- prompting -------------------------------------------------------------------------------------
+    def call_prefix(self, name: str) -> str:
+        return f'{self.begin}{{"name": {json.dumps(name)}, "{self.key}": '
+
+    def call_suffix(self) -> str:
+        return "}" + self.end
+
+    def call_text(self, name: str, arguments: str) -> str:
+        """A past call as the model writes it (history rendered for a template without tools)."""
+        return self.call_prefix(name) + arguments + self.call_suffix()
+
+    def result_message(self, content: str) -> dict[str, str]:
+        """A tool's result as a message for a template without tools."""
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+
+    def format_hint(self) -> str:
+        """How to write a call, for the default prompt."""
+        return f"To call a function, reply with:\n{self.call_text('<function-name>', '<arguments-json-object>')}"
+
+    def system_prompt(self, tools: Sequence[Tool]) -> str:
+        """The default tool prompt: the tools as JSON and the call syntax, for a system message."""
+        listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
+        return ("# Tools\n\nYou may call one or more functions to answer. The functions, as JSON:\n"
+                f"<tools>\n{listing}\n</tools>\n\n{self.format_hint()}")
+
+    # -- constraining ----------------------------------------------------------------------------------
+    def constraint(self, tools: Sequence[Tool], choice: ToolChoice, field: str = "tools") -> Constraint | None:
+        """A structural tag (xgrammar's JSON format): forced -> exactly one valid call; auto -> text or calls,
+        each call valid once begun; none -> no constraint."""
+        if choice.mode == "none" or not tools:
+            return None
+        chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+        tags = [{"type": "tag", "begin": self.call_prefix(t.name),
+                 "content": {"type": "json_schema", "json_schema": t.schema}, "end": self.call_suffix()}
+                for t in chosen]
+        if choice.forced:
+            fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        else:
+            fmt = {"type": "triggered_tags", "triggers": [self.trigger or self.call_prefix("")[:2]], "tags": tags,
+                   "at_least_one": False, "stop_after_first": not choice.parallel}
+        spec = json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True, separators=(",", ":"))
+        return Constraint("structural_tag", spec, field)
+
+    # -- parsing ---------------------------------------------------------------------------------------
+    def stream(self) -> Any:
+        """A fresh incremental reader for one answer (pagoda.plugins.tool_stream.CallStream)."""
+        from pagoda.plugins.tool_stream import CallStream
+
+        return CallStream(self)
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The whole answer's content and calls (the same reading as the stream's)."""
+        reader = self.stream()
+        events = reader.feed(text) + reader.finish()
+        return collect(events)
+
+    def __repr__(self) -> str:
+        return f"<tool parser {self.name!r}>"
+
+
+def collect(events: Sequence[ToolEvent]) -> ParsedOutput:
+    """Events joined into content and calls."""
+    content: list[str] = []
+    names: list[str] = []
+    arguments: list[list[str]] = []
+    for e in events:
+        if isinstance(e, TextDelta):
+            content.append(e.text)
+        elif isinstance(e, CallStarted):
+            names.append(e.name)
+            arguments.append([])
+        elif isinstance(e, ArgumentsDelta):
+            arguments[e.index].append(e.text)
+    return ParsedOutput("".join(content), [ParsedCall(n, "".join(a)) for n, a in zip(names, arguments)])
+
+
+def plain_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool],
+                   parser: ToolParser) -> list[dict[str, Any]]:
+    """A conversation with tools for a template that knows none: the default tool prompt in the system message,
+    past calls written in the parser's syntax, tool results as user messages."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append(parser.result_message(m.get("content") or ""))
+        elif m.get("tool_calls"):
+            calls = [parser.call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+                     for c in m["tool_calls"]]
+            out.append({"role": m["role"], "content": "\n".join(([m["content"]] if m.get("content") else []) + calls)})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:
+        section = parser.system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{section}" if out[0]["content"] else section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def parse_arguments(text: str, field: str) -> Any:
+    """A past call's arguments (JSON text) as the value templates get; RequestError naming `field` if not JSON."""
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{field} must be JSON text: {exc.msg}", field) from None
+
+
+def tool_use(ctx: Any, tools: Sequence[Tool], choice: ToolChoice, constraint: Constraint | None,
+             format_field: str) -> tuple[Constraint | None, ToolParser | None, list[Tool]]:
+    """What a request's tools ask of the engine: (the constraint, the parser that reads the answer, the tools the
+    prompt lists). No tools, or choice none: the output format's constraint alone, plain text."""
+    if choice.mode == "none" or not tools:
+        return constraint, None, []
+    if constraint is not None:
+        raise RequestError(f"{format_field} cannot be combined with tools: a call's arguments already follow its"
+                           " schema", format_field)
+    parser: ToolParser = ctx.parser()
+    return parser.constraint(tools, choice), parser, list(tools)
