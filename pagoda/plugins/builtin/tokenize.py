@@ -1,0 +1,120 @@
+"""Token counting routes: POST /tokenize and POST /detokenize (vLLM's shapes), POST /v1/messages/count_tokens.
+
+    /tokenize      {"model"?, "prompt", "add_special_tokens"?: true}
+                   or {"model"?, "messages", "add_generation_prompt"?: true}
+                   -> {"tokens": [...], "count", "max_model_len"}
+    /detokenize    {"model"?, "tokens": [...]} -> {"prompt"}
+    /v1/messages/count_tokens   an Anthropic messages body without max_tokens -> {"input_tokens"}
+
+count_tokens runs the messages endpoint's own `prepare`, so the count is the
+prompt a message would be generated from (system, template and all). The
+OpenAI-style routes answer in OpenAI's error shape, count_tokens in Anthropic's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from litestar.params import JSONBody
+
+from pagoda.plugins.builtin.anthropic_messages import ANTHROPIC_ERRORS, Messages, MessagesRequest
+from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
+from pagoda.plugins.hookspecs import hookimpl
+from pagoda.plugins.protocol import RequestError, ServeContext
+from pagoda.plugins.route import Route, RouteContext
+
+
+class ChatTurn(msgspec.Struct):
+    role: str
+    content: str
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatTurn] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def _serving(ctx: RouteContext) -> ServeContext:
+    if ctx.serving is None:
+        raise RuntimeError("the token routes need a served model's tokenizer")
+    return ctx.serving
+
+
+def _check_model(model: str | None, ctx: RouteContext) -> None:
+    if model is not None and model != ctx.model.name:
+        raise RequestError(f"model {model!r} does not exist; this server serves {ctx.model.name!r}",
+                           "model", status=404, code="model_not_found")
+
+
+def make_tokenize(ctx: RouteContext) -> Callable[..., Any]:
+    """The handler of POST /tokenize."""
+    serving = _serving(ctx)
+
+    async def tokenize(data: JSONBody[TokenizeRequest]) -> dict[str, Any]:
+        """The token ids of a prompt, or of a conversation rendered with the chat template."""
+        _check_model(data.model, ctx)
+        if (data.prompt is None) == (data.messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        if data.prompt is not None:
+            tokens = serving.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
+        else:
+            if not getattr(serving.tokenizer, "has_chat_template", True):
+                raise RequestError("this model has no chat template", "messages")
+            text = serving.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in data.messages],
+                                                         add_generation_prompt=data.add_generation_prompt)
+            tokens = serving.tokenizer.encode(text, add_special_tokens=data.add_special_tokens is True)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    return tokenize
+
+
+def make_detokenize(ctx: RouteContext) -> Callable[..., Any]:
+    """The handler of POST /detokenize."""
+    serving = _serving(ctx)
+
+    async def detokenize(data: JSONBody[DetokenizeRequest]) -> dict[str, Any]:
+        """The text of token ids."""
+        _check_model(data.model, ctx)
+        vocab = serving.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(data.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"tokens[{bad}]: {data.tokens[bad]} is outside the vocabulary (0..{vocab - 1})",
+                               f"tokens[{bad}]")
+        return {"prompt": serving.tokenizer.decode(data.tokens, skip_special_tokens=False)}
+
+    return detokenize
+
+
+def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
+    """The handler of POST /v1/messages/count_tokens."""
+    serving = _serving(ctx)
+    endpoint = Messages()
+
+    async def count_tokens(data: JSONBody[dict[str, Any]]) -> dict[str, int]:
+        """Anthropic's token count of a messages request: {"input_tokens": N}."""
+        try:  # the messages body, less max_tokens (and stream), which a count does not need
+            body = msgspec.convert({**data, "max_tokens": 1, "stream": False}, MessagesRequest)
+        except msgspec.ValidationError as exc:
+            where = str(exc).rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in str(exc) else None
+            raise RequestError(f"{where + ': ' if where else ''}{str(exc).partition(' - at ')[0]}", where) from None
+        _check_model(body.model, ctx)
+        return {"input_tokens": len(endpoint.prepare(body, serving).prompt_token_ids)}
+
+    return count_tokens
+
+
+@hookimpl
+def pagoda_register_routes(register):
+    register(Route("POST", "/tokenize", make_tokenize, errors=OPENAI_ERRORS))
+    register(Route("POST", "/detokenize", make_detokenize, errors=OPENAI_ERRORS))
+    register(Route("POST", "/v1/messages/count_tokens", make_count_tokens, errors=ANTHROPIC_ERRORS))
