@@ -24,6 +24,7 @@ from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.outputs import RequestOutput, SampledToken
 from pagoda.core.request import FinishReason
+from pagoda.plugins.builtin.tool_parsers import HERMES
 from pagoda.plugins.client import ClientAnswer, line_data
 from pagoda.plugins.protocol import Call, Completion, Endpoint, Event, ServeContext
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
@@ -177,10 +178,10 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def context(max_model_len: int = 256, max_kv_tokens: int = 512) -> ServeContext:
-    """A ServeContext over a fresh FakeTokenizer."""
+def context(max_model_len: int = 256, max_kv_tokens: int = 512, tool_parser: Any = HERMES) -> ServeContext:
+    """A ServeContext over a fresh FakeTokenizer (tool calls read by the default parser, hermes)."""
     return ServeContext(tokenizer=FakeTokenizer(), model_name="m", max_model_len=max_model_len,
-                        max_kv_tokens=max_kv_tokens)
+                        max_kv_tokens=max_kv_tokens, tool_parser=tool_parser)
 
 
 def decode(endpoint: Endpoint, body: dict[str, Any]) -> Any:
@@ -198,8 +199,9 @@ def prepared(endpoint: Endpoint, body: dict[str, Any], ctx: ServeContext | None 
 
 
 def outputs(call: Call, texts: Sequence[str], reason: FinishReason = FinishReason.LENGTH,
-            stop_reason: str | int | None = None, logprobs: bool = False) -> list[RequestOutput]:
-    """One output per text (one token each, id = its first character), the last one finished with `reason`."""
+            stop_reason: str | int | None = None, logprobs: bool = False, cached: int = 0) -> list[RequestOutput]:
+    """One output per text (one token each, id = its first character), the last one finished with `reason`;
+    `cached` prompt tokens found in the prefix cache."""
     outs = []
     for i, text in enumerate(texts):
         last = i == len(texts) - 1
@@ -207,7 +209,7 @@ def outputs(call: Call, texts: Sequence[str], reason: FinishReason = FinishReaso
         outs.append(RequestOutput(
             request_id=call.id, new_token_ids=[token], new_text=text, finished=last,
             finish_reason=reason if last else None, num_prompt_tokens=call.num_prompt_tokens,
-            num_output_tokens=i + 1, stop_reason=stop_reason if last else None,
+            num_output_tokens=i + 1, stop_reason=stop_reason if last else None, num_cached_tokens=cached,
             logprobs=[SampledToken(token, -0.5, ((token, -0.5), (66, -1.5)))] if logprobs else []))
     return outs
 
@@ -245,3 +247,20 @@ def read_unary(endpoint: Endpoint, body: dict[str, Any]) -> ClientAnswer:
     answer = endpoint.client_answer()
     answer.unary(msgspec.json.decode(msgspec.json.encode(body)))
     return answer
+
+
+# -- faults --------------------------------------------------------------------------------------------
+
+class FaultySampler:
+    """Wraps an engine's sampler so that sampling raises for the requests `fails` picks (a fault hook)."""
+
+    def __init__(self, inner: Any, fails: Callable[[Any], bool]) -> None:
+        self.inner, self.fails = inner, fails
+
+    def sample_row(self, row: Any, request: Any) -> SampledToken:
+        if self.fails(request):
+            raise OverflowError("injected sampling fault")
+        return self.inner.sample_row(row, request)
+
+    def sample(self, logits: Any, requests: list[Any]) -> list[SampledToken]:
+        return [self.sample_row(logits[i], r) for i, r in enumerate(requests)]

@@ -163,7 +163,7 @@ class Generate(_OllamaEndpoint):
         return {"model": call.model, "created_at": _now(), "response": text, "done": False}
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**self._client_options(ask), "prompt": ask.prompt}
+        return {**self._client_options(ask), "prompt": ask.flat_prompt}
 
     def _text_of(self, line: dict[str, Any]) -> str:
         return line["response"]
@@ -186,7 +186,7 @@ class Chat(_OllamaEndpoint):
                 "done": False}
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**self._client_options(ask), "messages": [{"role": "user", "content": ask.prompt}]}
+        return {**self._client_options(ask), "messages": ask.messages()}
 
     def _text_of(self, line: dict[str, Any]) -> str:
         return line["message"]["content"]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pluggy
 from litestar import Litestar, route
+from litestar.config.cors import CORSConfig
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
@@ -30,10 +31,12 @@ from pagoda.api.auth import api_key_guard
 from pagoda.api.errors import ERRORS_OPT, handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
+from pagoda.api.limits import Limits, limits_middleware
 from pagoda.api.metrics import Metrics
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints, collect_model_card, collect_routes
+from pagoda.plugins.manager import collect_tool_parsers
 from pagoda.plugins.protocol import ServeContext
 from pagoda.plugins.route import Route, RouteContext, ServedModel
 
@@ -47,13 +50,22 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     if settings.disconnect_policy not in policies:
         raise ValueError(f"disconnect_policy {settings.disconnect_policy!r} is not registered"
                          f" (registered: {', '.join(sorted(policies)) or 'none'})")
+    parsers = collect_tool_parsers(plugin_manager)
+    if settings.tool_parser not in parsers:
+        raise ValueError(f"tool_parser {settings.tool_parser!r} is not registered"
+                         f" (registered: {', '.join(sorted(parsers)) or 'none'})")
     config = async_engine.engine.config
     context = ServeContext(tokenizer=tokenizer, model_name=settings.served_model_name,
-                           max_model_len=config.max_model_len, max_kv_tokens=config.num_slots)
-    services = Services(engine=async_engine, context=context, metrics=Metrics(),
-                        policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout)
-    served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len)
-    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served))
+                           max_model_len=config.max_model_len, max_kv_tokens=config.num_slots,
+                           limits=settings.request_limits, tool_parser=parsers[settings.tool_parser])
+    metrics = Metrics()
+    services = Services(engine=async_engine, context=context, metrics=metrics,
+                        policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout,
+                        api_key=settings.api_key, model_names=model_names(settings),
+                        generation_defaults=dict(settings.generation_defaults))
+    served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len,
+                         aliases=settings.served_model_aliases)
+    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context)
     guards = [api_key_guard(settings.api_key)] if settings.api_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
     routes += [plugin_route(r, route_context, guards) for r in collect_routes(plugin_manager)]
@@ -71,8 +83,11 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
         on_startup=[start_engine],
         on_shutdown=[stop_engine],
         exception_handlers={HTTPException: handle_exception, Exception: handle_exception},
-        middleware=[access_log_middleware],
+        middleware=[access_log_middleware,
+                    limits_middleware(Limits(settings.max_body_bytes, settings.max_header_bytes), metrics)],
+        request_max_body_size=settings.max_body_bytes,  # a chunked body has no length to refuse it by up front
         openapi_config=openapi_config(),
+        cors_config=cors_config(settings.allowed_origins),
         logging_config=None,
     )
     app.state.services = services
@@ -80,9 +95,24 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     return app
 
 
+def model_names(settings: ServeSettings) -> tuple[str, ...]:
+    """The names a request may ask for; () when any name is answered as the served one."""
+    if not settings.refuse_unknown_models:
+        return ()
+    return (settings.served_model_name, *settings.served_model_aliases)
+
+
+def cors_config(origins: tuple[str, ...]) -> CORSConfig | None:
+    """Cross-origin access only for the origins named (--allowed-origins); none by default, so a web page on
+    another origin cannot read a response (and a JSON POST needs a preflight that is refused)."""
+    if not origins:
+        return None
+    return CORSConfig(allow_origins=list(origins))  # any method and header, as the SDKs send their own
+
+
 def plugin_route(plugin: Route, context: RouteContext, guards: list[Guard]) -> HTTPRouteHandler:
     """The Litestar handler of a plugin's Route: made from `context`, guarded and shaped as it declares."""
-    decorate = route(plugin.path, http_method=[plugin.method], media_type=plugin.media_type, cache=False,
+    decorate = route(plugin.path, http_method=[plugin.method], media_type=plugin.media_type, cache=False, status_code=200,
                      guards=guards if plugin.guarded else [], opt={ERRORS_OPT: plugin.errors})
     return decorate(plugin.make(context))
 

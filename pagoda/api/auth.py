@@ -2,10 +2,14 @@
 
 OpenAI clients send `Authorization: Bearer KEY`, Anthropic clients `x-api-key: KEY`;
 either header is accepted on every guarded route.
+
+The key a request presented also names its prefix-cache tenant (`key_tenant`): requests under different
+keys never share cached blocks, so one key's holder cannot learn from timing what another's sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from litestar.connection import ASGIConnection
@@ -25,6 +29,17 @@ def api_key_guard(api_key: str) -> Guard:
             )
 
     return guard
+
+
+def key_tenant(connection: ASGIConnection, api_key: str | None) -> str | None:
+    """The request's prefix-cache tenant: a hash of the server key it presented (None when no key is set)."""
+    if api_key is None:
+        return None
+    expected = api_key.encode()
+    for offered in _offered_keys(connection):
+        if hmac.compare_digest(expected, offered.encode()):
+            return hashlib.blake2b(offered.encode(), digest_size=16, person=b"pagoda-tenant").hexdigest()
+    return None  # the guard refuses such a request before it gets here
 
 
 def _offered_keys(connection: ASGIConnection) -> list[str]:

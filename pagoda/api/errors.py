@@ -19,7 +19,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
-from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded
+from pagoda.core.constraint import ConstraintError
+from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded, QueueFull
 from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
 from pagoda.plugins.protocol import ApiError, ErrorShape, RequestError
 
@@ -27,6 +28,7 @@ logger = logging.getLogger("pagoda.api")
 
 ERRORS_OPT = "pagoda_errors"  # route handler opt key holding the route's ErrorShape
 DEFAULT_ERRORS: ErrorShape = OPENAI_ERRORS  # the shape of routes that name none
+RETRY_AFTER = {429: "1", 503: "5"}  # seconds, by status: a full queue drains fast, a restart takes longer
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
@@ -38,8 +40,14 @@ def api_error(exc: BaseException) -> ApiError:
         return _validation_error(exc)
     if isinstance(exc, HTTPException):
         return ApiError(exc.status_code, str(exc.detail))
+    if isinstance(exc, RecursionError):  # a body nested past the decoder's depth: bad input, not a server fault
+        return ApiError(400, "invalid request body: the JSON is nested too deeply")
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), None, "queue_full")
     if isinstance(exc, ContextLengthExceeded):
         return ApiError(400, str(exc), "max_tokens", "context_length_exceeded")
+    if isinstance(exc, ConstraintError):  # a schema, regex or grammar the engine cannot compile
+        return ApiError(400, str(exc), exc.field)
     if isinstance(exc, (AdmissionError, ValueError)):
         return ApiError(400, str(exc))
     if isinstance(exc, (EngineDeadError, RequestAborted)):
@@ -70,6 +78,8 @@ def error_response(shape: ErrorShape | None, error: ApiError) -> Response[Any]:
     """An error Response in `shape` (DEFAULT_ERRORS when None), with the error's status."""
     body = (shape or DEFAULT_ERRORS).render_error(error)
     headers = {"x-should-retry": "false"} if error.status >= 500 else None  # SDKs would otherwise retry twice
+    if error.status in RETRY_AFTER:  # a full queue or a draining server: the client may come back
+        headers = {**(headers or {}), "retry-after": RETRY_AFTER[error.status]}
     return Response(body, status_code=error.status, headers=headers)
 
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from litestar import Request, Response, post
@@ -37,14 +38,18 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp, Guard, Receive, Scope, Send
 
 from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
+from pagoda.api.auth import key_tenant
+from pagoda.api.body import STATE_KEY, strict_body
 from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
+from pagoda.api.drain import DrainState
 from pagoda.api.errors import ERRORS_OPT, api_error, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.outputs import RequestOutput
+from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.disconnect import DisconnectPolicy
-from pagoda.plugins.protocol import Call, Completion, Endpoint, ServeContext
+from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, RequestError, ServeContext
 
 logger = logging.getLogger("pagoda.api")
 
@@ -58,30 +63,69 @@ class Services:
     metrics: Metrics
     policy: DisconnectPolicy
     send_stall_timeout: float = 2.0  # --send-stall-timeout (the policy may change it)
+    api_key: str | None = None  # --api-key: the key a request presents names its prefix-cache tenant
+    drain: DrainState = field(default_factory=DrainState)  # set on SIGTERM: new requests are refused
+    model_names: tuple[str, ...] = ()  # the served name and its aliases; () = any name, answered as the first
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's, from generation_config.json
 
 
 def endpoint_route(endpoint: Endpoint, services: Services, guards: list[Guard]) -> HTTPRouteHandler:
     """A Litestar POST handler for one protocol endpoint."""
 
     async def handler(request: Request, data: Any) -> Response[Any]:
-        return serve(endpoint, services, request, data)
+        return serve(endpoint, services, request, getattr(request.state, STATE_KEY, data))  # the strict decoding's
 
-    # Litestar reads the body type from the annotations: each endpoint's own Struct.
+    # Litestar reads the body type from the annotations (each endpoint's own Struct) for the schema; the body
+    # itself is decoded strictly by the before_request hook (pagoda.api.body), which answers a bad one.
     handler.__annotations__ = {"request": Request, "data": JSONBody[endpoint.body_type], "return": Response[Any]}
     handler.__name__ = handler.__qualname__ = f"serve_{endpoint.name.replace('-', '_')}"
-    route = post(endpoint.path, name=endpoint.name, status_code=200, guards=guards, opt={ERRORS_OPT: endpoint.errors})
+    route = post(endpoint.path, name=endpoint.name, status_code=200, guards=guards, opt={ERRORS_OPT: endpoint.errors},
+                 before_request=strict_body(endpoint))
     return route(handler)
 
 
 def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -> Response[Any]:
     """The response to one protocol request; a body the protocol refuses is answered at once."""
+    unavailable = _unavailable(services)
+    if unavailable is not None:
+        services.metrics.rejected.labels(reason=unavailable[0]).inc()
+        return error_response(endpoint.errors, ApiError(503, unavailable[1]))
     try:
+        model = served_model(services, getattr(body, "model", None))
         generation = endpoint.prepare(body, services.context)
+        generation.sampling_params = with_generation_defaults(body, generation.sampling_params,
+                                                              services.generation_defaults)
     except Exception as exc:
         return error_response(endpoint.errors, api_error(exc))
-    call = Call(id=endpoint.new_id(), created=int(time.time()), model=services.context.model_name, body=body,
+    call = Call(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
                 generation=generation, tokenizer=services.context.tokenizer)
     return GenerationResponse(Exchange(endpoint, services, call, request))
+
+
+def served_model(services: Services, asked: str | None) -> str:
+    """The name a response reports: the one asked for, if it is served; refuses another with 404 model_not_found."""
+    if asked in services.model_names:
+        return asked
+    if services.model_names and asked is not None:
+        served = ", ".join(map(repr, services.model_names))
+        raise RequestError(f"model {asked!r} does not exist; this server serves {served}", "model", status=404,
+                           code="model_not_found")
+    return services.context.model_name
+
+
+def with_generation_defaults(body: Any, params: SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
+    """`params` with the model's default for each sampling field the body has and left null (vLLM's behaviour)."""
+    chosen = {k: v for k, v in defaults.items() if hasattr(body, k) and getattr(body, k) is None}
+    return dataclasses.replace(params, **chosen) if chosen else params
+
+
+def _unavailable(services: Services) -> tuple[str, str] | None:
+    """(metric reason, message) when the server takes no new generation requests: draining, or no engine loop."""
+    if services.drain.draining:
+        return "draining", "the server is shutting down and takes no new requests"
+    if not services.engine.is_running:
+        return "engine_unavailable", "the engine loop is not running; this server cannot serve requests"
+    return None
 
 
 class GenerationResponse(Response[Any]):
@@ -123,9 +167,11 @@ class Exchange:
                    admitted: asyncio.Event) -> tuple[asyncio.Future[Any], asyncio.Queue[Any]]:
         """The task consuming the engine's outputs (and, for a stream, the mailbox it fills)."""
         generation = self.call.generation
+        tenant = key_tenant(self.request, self.services.api_key)
         outputs = self.services.metrics.observe(
             self.services.engine.generate(generation.prompt_token_ids, generation.sampling_params, self.call.id,
-                                          on_admitted=admitted.set), self.record)
+                                          on_admitted=admitted.set, cache_salt=generation.cache_salt,
+                                          tenant=tenant), self.record)
         mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
         if not generation.stream:
             return asyncio.ensure_future(_collect(outputs)), mailbox

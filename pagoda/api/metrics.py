@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.outputs import RequestOutput
+from pagoda.core.scheduler import QueueFull
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -60,6 +61,13 @@ class EngineCollector(Collector):
         yield _counter("pagoda_recomputed_tokens", "Tokens recomputed after preemption.", s["recomputed_tokens_total"])
         yield _counter("pagoda_engine_requests", "Requests the engine admitted.", s["requests_total"])
         yield _counter("pagoda_engine_aborted_requests", "Requests the engine aborted.", s["aborted_total"])
+        # The prefix cache: its hit rate is hits / queries.
+        yield _counter("pagoda_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                       s["prefix_cache_queried_tokens_total"])
+        yield _counter("pagoda_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+                       s["prefix_cache_hit_tokens_total"])
+        yield _gauge("pagoda_kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix (evictable).",
+                     s["kv_blocks_cached_free"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -97,6 +105,10 @@ class Metrics:
                                registry=r)
         self.departures = Counter("pagoda_client_departures", "Clients that left before their response was complete,"
                                   " by reason (whatever the disconnect policy then did).", ["reason"], registry=r)
+        # Refused before reaching the engine, or by its full queue: queue_full, draining, engine_unavailable,
+        # body_too_large, headers_too_large.
+        self.rejected = Counter("pagoda_requests_rejected", "Requests refused for load or limits, by reason.",
+                                ["reason"], registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
 
@@ -137,6 +149,9 @@ class Metrics:
                 raise
             except GenerationError:
                 self._aborted(record, "model_error")
+                raise
+            except QueueFull:
+                self.rejected.labels(reason="queue_full").inc()
                 raise
             # Anything else came from admission: a refused request is not an aborted one.
 

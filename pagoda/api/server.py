@@ -4,30 +4,64 @@ We bind the listening socket ourselves, so that port 0 (the kernel picks a
 free port) works and the caller knows the port before anything connects, and
 readiness means uvicorn's `started` (set after the lifespan start-up ran, i.e.
 after the engine loop started), not merely "the port accepts".
+
+In the foreground, SIGTERM and SIGINT start the app's drain (pagoda.api.drain)
+instead of uvicorn's immediate shutdown; uvicorn's shutdown follows once the
+drain is done, and the signal is not raised again afterwards, so a drained
+server exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import Any
 
 import uvicorn
+
+from pagoda.api.limits import h11_buffer_for
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, calling `on_ready` once start-up has finished."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
+                 drain: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(config)
         self._on_ready = on_ready
+        self._drain = drain  # run on the first exit signal, before uvicorn's shutdown
+        self._draining: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started:
             self._on_ready()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain, then shut down; a second: shut down now. Never re-raised at exit (exit 0)."""
+        if self._drain is None or self._loop is None or self._draining is not None or self.should_exit:
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        if self._draining is None and self._drain is not None:
+            self._draining = asyncio.ensure_future(self._drain_then_exit(self._drain))
+
+    async def _drain_then_exit(self, drain: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await drain()
+        except Exception:
+            logging.getLogger("pagoda.api").exception("the drain failed; shutting down now")
+        finally:
+            self.should_exit = True
 
 
 def bind_socket(host: str, port: int, send_buffer: int | None = None) -> socket.socket:
@@ -59,16 +93,22 @@ def url_of(sock: socket.socket) -> str:
 def _config(app: Any, **overrides: Any) -> uvicorn.Config:
     # Our own access log replaces uvicorn's; graceful shutdown must not wait forever on open streams.
     options = {"log_level": "info", "access_log": False, "lifespan": "on", "timeout_graceful_shutdown": 5}
+    settings = getattr(getattr(app, "state", None), "settings", None)  # a pagoda app's ServeSettings
+    if settings is not None:  # h11 must buffer past our header limit for the app to answer 431 (api/limits.py)
+        options["h11_max_incomplete_event_size"] = h11_buffer_for(settings.max_header_bytes)
     options.update(overrides)
     return uvicorn.Config(app, **options)
 
 
 def run_server(app: Any, host: str, port: int, on_ready: Callable[[str], None], send_buffer: int | None = None,
-               **uvicorn_options: Any) -> None:
-    """Serve `app` in the foreground until interrupted; `on_ready(url)` once it accepts requests."""
+               drain: Callable[[], Awaitable[None]] | None = None, **uvicorn_options: Any) -> None:
+    """Serve `app` in the foreground until interrupted; `on_ready(url)` once it accepts requests.
+
+    `drain` (a coroutine function) runs on the first SIGTERM/SIGINT, before uvicorn shuts down.
+    """
     sock = bind_socket(host, port, send_buffer)
     url = url_of(sock)
-    server = _Server(_config(app, **uvicorn_options), lambda: on_ready(url))
+    server = _Server(_config(app, **uvicorn_options), lambda: on_ready(url), drain)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, after its shutdown

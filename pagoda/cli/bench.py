@@ -13,6 +13,8 @@ BENCHMARKS = {
     "disconnect": "pagoda.bench.disconnect",
     "crowd": "pagoda.bench.crowd",
     "serve": "pagoda.bench.serve",
+    "grammar": "pagoda.bench.grammar",
+    "soak": "pagoda.bench.soak",
 }
 
 

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not look the prompt up in the prefix cache")
     p.set_defaults(func=run)
 
 
@@ -81,7 +83,7 @@ def _build(args: argparse.Namespace, params):
     options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, block_size=args.block_size,
                             num_blocks=-(-total // args.block_size), max_running=1,
                             max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
-                            max_model_len=total)
+                            max_model_len=total, enable_prefix_caching=args.prefix_caching)
     return load_engine(model_dir, tokenizer, options), tokenizer, prompt_ids
 
 

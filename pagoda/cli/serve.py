@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
+from pagoda.api.settings import ServeSettings
 from pagoda.core.engine_config import EngineConfig
+from pagoda.plugins.protocol import RequestLimits
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -25,14 +27,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=EngineConfig.max_batched_tokens,
                    help="new tokens in one step")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share the KV of equal prompt prefixes between requests")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--disconnect-policy", default="abort", help="what to do with a request whose client left")
+    p.add_argument("--tool-parser", default=ServeSettings.tool_parser,
+                   help="the model's tool-call syntax: a registered tool parser (built in: hermes, llama3_json)")
     p.add_argument("--send-stall-timeout", type=float, default=2.0,
                    help="seconds a stream may make no write progress before its client counts as gone")
     p.add_argument("--send-buffer-size", type=int, default=None, metavar="BYTES",
                    help="each connection's socket send buffer (default: the kernel's autotuning); bounds how much "
                         "unread output a client that stopped reading holds before the stall deadline counts")
-    p.add_argument("--served-model-name", default=None, help="the model name the API reports (default: the model's)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                   help="requests the queue may hold; beyond, new ones are refused at once with 429 (default: no limit)")
+    p.add_argument("--max-body-bytes", type=int, default=ServeSettings.max_body_bytes,
+                   help="a bigger request body is refused with 413")
+    p.add_argument("--max-header-bytes", type=int, default=ServeSettings.max_header_bytes,
+                   help="request headers beyond this many bytes are refused with 431")
+    p.add_argument("--generation-config", default="auto", choices=("auto", "none"),
+                   help="auto: a request that leaves temperature/top_p/top_k null gets the model's defaults from its "
+                        "generation_config.json; none: pagoda's own defaults")
+    p.add_argument("--shutdown-timeout", type=float, default=ServeSettings.shutdown_timeout, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may run on before they are aborted")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may ask for: the first is listed, the rest are aliases "
+                        "(default: the model's); any other name is refused with 404")
+    p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                   help="origins a browser page may call the API from (CORS); none by default")
+    limits, g = RequestLimits(), p.add_argument_group("request limits (over one: 400 naming the field)")
+    g.add_argument("--max-stop-strings", type=int, default=limits.max_stop, metavar="N",
+                   help="stop strings one request may send")
+    g.add_argument("--max-stop-length", type=int, default=limits.max_stop_length, metavar="CHARS",
+                   help="characters in one stop string")
+    g.add_argument("--max-logprobs", type=int, default=limits.max_logprobs, metavar="N",
+                   help="top alternatives per token one request may ask for (at most 20)")
+    g.add_argument("--max-output-tokens", type=int, default=limits.max_tokens, metavar="N",
+                   help="output tokens one request may ask for (default: whatever fits the context)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -41,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.api.app import create_app
     from pagoda.model.factory import EngineOptions, build_engine
     from pagoda.api.server import run_server
-    from pagoda.api.settings import ServeSettings
+    from pagoda.api.drain import drain
+    from pagoda.model.factory import generation_defaults
     from pagoda.core.async_engine import AsyncEngine
     from pagoda.plugins.manager import PluginError, load_plugins
 
@@ -49,14 +80,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                                 num_blocks=args.num_blocks, max_running=args.max_running,
-                                max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len)
+                                max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                                enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting)
         plugins = load_plugins()
         engine, tokenizer, model_dir = build_engine(options)
-        name = args.served_model_name or (args.model if args.model == "default" else model_dir.name)
+        names = args.served_model_name or [args.model if args.model == "default" else model_dir.name]
+        name = names[0]
+        request_limits = RequestLimits(max_stop=args.max_stop_strings, max_stop_length=args.max_stop_length,
+                                       max_logprobs=args.max_logprobs, max_tokens=args.max_output_tokens)
         settings = ServeSettings(served_model_name=name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                                 disconnect_policy=args.disconnect_policy, send_stall_timeout=args.send_stall_timeout,
-                                 send_buffer_size=args.send_buffer_size)
-        app = create_app(AsyncEngine(engine), tokenizer, plugins, settings)
+                                 disconnect_policy=args.disconnect_policy, tool_parser=args.tool_parser,
+                                 send_stall_timeout=args.send_stall_timeout,
+                                 send_buffer_size=args.send_buffer_size, max_body_bytes=args.max_body_bytes,
+                                 max_header_bytes=args.max_header_bytes, shutdown_timeout=args.shutdown_timeout,
+                                 served_model_aliases=tuple(names[1:]), allowed_origins=tuple(args.allowed_origins),
+                                 request_limits=request_limits,
+                                 generation_defaults=generation_defaults(model_dir)
+                                 if args.generation_config == "auto" else {})
+        async_engine = AsyncEngine(engine)
+        app = create_app(async_engine, tokenizer, plugins, settings)
     except (ValueError, FileNotFoundError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
@@ -64,5 +106,11 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         print(f"pagoda serving {name!r} at {url}", flush=True)
 
-    run_server(app, args.host, args.port, ready, send_buffer=settings.send_buffer_size, log_level=args.log_level)
+    services = app.state.services
+
+    async def drain_server() -> None:
+        await drain(services.drain, async_engine, settings.shutdown_timeout)
+
+    run_server(app, args.host, args.port, ready, send_buffer=settings.send_buffer_size, drain=drain_server,
+               log_level=args.log_level)
     return 0

@@ -9,7 +9,11 @@ work and no command the loop thread sleeps on a condition variable, so an idle
 server costs nothing.
 
 Questions about the engine's state (`stats`, `audit`, `wait_until_idle`) are
-commands too, answered by the loop thread between two steps. An abort is
+commands too, answered by the loop thread between two steps. For /health,
+which must answer at once under load, the loop thread also publishes a
+snapshot of the stats after every turn (`latest_stats`): the loop's own
+numbers as of its latest step, read without waiting for the step in progress,
+and refused when that step has run too long (a stuck loop is not healthy). An abort is
 queued and applied at the next step, so reading the pool from another thread
 right after a caller left races that step; asking the loop thread does not.
 
@@ -24,6 +28,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -93,12 +98,17 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._idle_waiters: list[concurrent.futures.Future[None]] = []
         self.num_wakeups = 0  # loop iterations; lets tests see that an idle loop sleeps
+        # Written by the loop thread, read by any (a reference swap is atomic): its latest stats, and
+        # when the step in progress began (None between steps).
+        self._snapshot: dict[str, int] = {}
+        self._step_started: float | None = None
 
     # -- lifecycle -----------------------------------------------------
     def start(self) -> None:
         """Start the loop thread (once)."""
         if self._thread is not None:
             raise RuntimeError("the engine loop was already started")
+        self._snapshot = self.engine.stats()  # the loop thread is not running yet: this thread may read
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -117,18 +127,23 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------
     async def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-        *, on_admitted: Callable[[], None] | None = None,
+        *, on_admitted: Callable[[], None] | None = None, cache_salt: str | None = None, tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as the engine makes them; the last one is finished.
 
         Admission errors (AdmissionError, ValueError) are raised before the first output;
         `on_admitted` is called once the engine has accepted the request (before its prefill).
+        `cache_salt` and `tenant` key the prefix cache (Engine.add_request): blocks are shared only under equal ones.
         A failed model step raises GenerationError; a server-side abort raises RequestAborted.
         """
         request_id = request_id or uuid.uuid4().hex
         sink = _Sink(asyncio.get_running_loop())
         prompt = list(prompt_token_ids)
-        admitted = self._submit(lambda: self._add(request_id, prompt, sampling_params, sink), answer=True)
+        if sampling_params.constraint is not None:  # compiled on the grammar pool, never on the loop thread;
+            # shielded: the compile may be shared with other requests, a caller leaving must not cancel it
+            await asyncio.shield(asyncio.wrap_future(self.engine.compile_constraint(sampling_params.constraint)))
+        keys = {"cache_salt": cache_salt, "tenant": tenant}
+        admitted = self._submit(lambda: self._add(request_id, prompt, sampling_params, sink, keys), answer=True)
         finished = False
         try:
             await asyncio.wrap_future(admitted)
@@ -150,8 +165,9 @@ class AsyncEngine:
             if not finished and not _refused(admitted):
                 self._submit_quietly(lambda: self._abort(request_id))
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink) -> None:
-        self.engine.add_request(request_id, prompt, params)  # raises for a request it refuses
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink,
+             keys: dict[str, str | None]) -> None:
+        self.engine.add_request(request_id, prompt, params, **keys)  # raises for a request it refuses
         self._sinks[request_id] = sink
 
     def _abort(self, request_id: str) -> None:
@@ -162,6 +178,19 @@ class AsyncEngine:
     async def stats(self) -> dict[str, int]:
         """The engine's counters and queue sizes, read between two steps."""
         return await self._ask(self.engine.stats)
+
+    def latest_stats(self, stuck_after: float) -> dict[str, int]:
+        """The stats the loop published after its latest turn, at once; EngineDeadError when it cannot serve.
+
+        "Cannot serve": the loop is not running, or its step in progress began over `stuck_after` seconds ago.
+        """
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop crashed: {self._failure!r}" if self._failure is not None
+                                  else "the engine loop is not running")
+        started = self._step_started
+        if started is not None and time.monotonic() - started > stuck_after:
+            raise EngineDeadError(f"the engine step in progress has run for over {stuck_after:g} s")
+        return self._snapshot
 
     async def audit(self) -> None:
         """Run the engine's ledger audit between two steps (raises AuditError)."""
@@ -233,8 +262,14 @@ class AsyncEngine:
             command.run()
         if stopping:
             return False
+        if commands:  # admissions and aborts show before the step they wait for
+            self._snapshot = self.engine.stats()
         if self.engine.has_unfinished():
-            self._deliver(self.engine.step())
+            self._step_started = time.monotonic()
+            outputs = self.engine.step()
+            self._step_started = None
+            self._snapshot = self.engine.stats()  # before delivery: a caller that saw its end sees it counted
+            self._deliver(outputs)
         if self._idle_waiters and not self.engine.has_unfinished():
             for waiter in self._idle_waiters:
                 _settle(waiter, None)
@@ -252,6 +287,8 @@ class AsyncEngine:
 
     def _shutdown(self) -> None:
         """Abort what is live so that its callers hear about it, then fail whoever still waits."""
+        if self.engine.grammars is not None:
+            self.engine.grammars.shutdown()
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
         if self.engine.has_unfinished():

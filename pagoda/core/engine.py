@@ -9,19 +9,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core.batch import ModelRunner, SchedulerOutput
+from pagoda.core.constraint import Constraint
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
+from pagoda.core.grammar import CompileQueue, Grammars
 from pagoda.core.outputs import RequestOutput, RequestTimes, SampledToken
-from pagoda.core.request import FinishReason, Request
+from pagoda.core.request import FinishReason, Request, RequestStatus
 from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler
 
 logger = logging.getLogger("pagoda.engine")
+_COMPILE_WAIT_S = 0.05  # how long an idle step waits for a compiling grammar before returning
 
 
 @dataclass
@@ -57,6 +61,11 @@ class Engine:
         self.counters = EngineCounters()
         self.requests: dict[str, Request] = {}  # live requests by id
         self._pending_aborts: list[str] = []
+        # Constrained decoding (core/grammar.py): grammars compile on a worker pool over the tokenizer's
+        # vocabulary, sized to the LM head; a request waits in `compiling` until its grammar is ready.
+        self.grammars = (Grammars(tokenizer.token_vocab, runner.vocab_size, sorted(self.eos_token_ids))
+                         if hasattr(tokenizer, "token_vocab") else None)
+        self.compiling = CompileQueue()
 
     # -- requests in and out -------------------------------------------
     def add_request(
@@ -70,6 +79,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already live")
         self._check_prompt(prompt_token_ids)
+        self._check_token_params(sampling_params)
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         request = Request(
@@ -80,7 +90,7 @@ class Engine:
             cache_salt=cache_salt,
             tenant=tenant,
         )
-        self.scheduler.add(request)
+        self._admit(request)
         if self.tokenizer is not None:
             request.text_stream = self.tokenizer.text_stream(sampling_params.stop)
         self.requests[request_id] = request
@@ -96,6 +106,36 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
 
+    def _check_token_params(self, params: SamplingParams) -> None:
+        # Token ids in the params are checked against this model's vocabulary, which SamplingParams cannot know.
+        vocab = self.runner.vocab_size
+        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{field} token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def _admit(self, request: Request) -> None:
+        """Into the scheduler; a constrained request waits in `compiling` until its grammar is ready."""
+        constraint = request.sampling_params.constraint
+        if constraint is None:
+            self.scheduler.add(request)
+            return
+        if self.grammars is None:
+            raise ValueError(f"{constraint.field}: constrained output needs a tokenizer; this engine has none")
+        self.scheduler.check_admissible(request)
+        future = self.grammars.submit(constraint)
+        if not future.done():
+            self.compiling.hold(request, future)
+            return
+        request.grammar = self.grammars.matcher(future.result())  # raises the compile's ConstraintError
+        self.scheduler.add(request)
+
+    def compile_constraint(self, constraint: Constraint) -> Future[Any]:
+        """Start compiling (or find compiled) a constraint; thread-safe, so a caller can await it off the loop."""
+        if self.grammars is None:
+            raise ValueError(f"{constraint.field}: constrained output needs a tokenizer; this engine has none")
+        return self.grammars.submit(constraint)
+
     def abort(self, request_id: str) -> None:
         """Mark a request to be aborted at the top of the next step; unknown ids are a no-op."""
         self._pending_aborts.append(request_id)
@@ -106,28 +146,36 @@ class Engine:
     # -- the step ------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""
-        outputs = self._apply_aborts()
+        outputs = self._apply_aborts() + self._admit_compiled()
         started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            self.compiling.wait(_COMPILE_WAIT_S)  # nothing to run: rather than spin, wait for a grammar
             return outputs
         self.counters.steps_total += 1
         try:
-            sampled = self._sample(batch, self.runner.execute(batch).logits)
+            logits = self.runner.execute(batch).logits
         except Exception as exc:  # one failed forward must not take the server down
             return outputs + self._fail(batch, exc)
         self._advance(batch, started)
-        return outputs + self._collect(batch, sampled)
+        return outputs + self._collect(batch, logits)
 
     def run(self) -> Iterator[RequestOutput]:
         """Step until every request has finished (offline use)."""
         while self.has_unfinished():
             yield from self.step()
 
-    def _sample(self, batch: SchedulerOutput, logits: Any) -> list[SampledToken]:
-        # logits: [len(batch.sample_chunks), V], one row per chunk that reaches its request's end
-        sample_chunks = batch.sample_chunks
-        return self.sampler.sample(logits, [c.request for c in sample_chunks]) if sample_chunks else []
+    def _admit_compiled(self) -> list[RequestOutput]:
+        # requests whose grammar has compiled enter the scheduler; a failed compile ends its request alone
+        outputs = [self._fail_request(request, exc) for request, exc in self.compiling.failures()]
+        for request, compiled in self.compiling.ready():
+            try:
+                request.grammar = self.grammars.matcher(compiled)
+                self.scheduler.add(request)
+                self.compiling.discard(request)
+            except Exception as exc:
+                outputs.append(self._fail_request(request, exc))
+        return outputs
 
     def _advance(self, batch: SchedulerOutput, started: float) -> None:
         # the step's KV is in the cache now: every chunk's tokens count as computed
@@ -135,21 +183,29 @@ class Engine:
             chunk.request.num_computed_tokens = chunk.end
             chunk.request.scheduled_time = chunk.request.scheduled_time or started
 
-    def _collect(self, batch: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestOutput]:
-        # append each sampled token, stream its text, and finish the requests that stop here
+    def _collect(self, batch: SchedulerOutput, logits: Any) -> list[RequestOutput]:
+        # logits: [len(batch.sample_chunks), V], one row per chunk that reaches its request's end.
+        # A failure in one request's own work (its sampling, logits processing, detokenizing) fails it alone.
         outputs = []
-        for chunk, token in zip(batch.sample_chunks, sampled):
-            request = chunk.request
-            request.output_token_ids.append(token.token_id)
-            request.first_token_time = request.first_token_time or self.clock()
-            self.counters.generated_tokens_total += 1
-            text = request.text_stream.push(token.token_id) if request.text_stream else ""
-            reason = self._finish_reason(request, token.token_id)
-            if reason is not None:
-                text += self._finish(request, reason)
-            logprobs = [token] if request.sampling_params.logprobs is not None else []
-            outputs.append(self._output(request, [token.token_id], text, logprobs=logprobs))
+        for row, chunk in enumerate(batch.sample_chunks):
+            try:
+                outputs.append(self._take(chunk.request, self.sampler.sample_row(logits[row], chunk.request)))
+            except Exception as exc:
+                logger.exception("request %s failed in sampling; failing it alone", chunk.request.request_id)
+                outputs.append(self._fail_request(chunk.request, exc))
         return outputs
+
+    def _take(self, request: Request, token: SampledToken) -> RequestOutput:
+        """Append one sampled token, stream its text, and finish the request if it stops here."""
+        request.output_token_ids.append(token.token_id)
+        request.first_token_time = request.first_token_time or self.clock()
+        self.counters.generated_tokens_total += 1
+        text = request.text_stream.push(token.token_id) if request.text_stream else ""
+        reason = self._finish_reason(request, token.token_id)
+        if reason is not None:
+            text += self._finish(request, reason)
+        logprobs = [token] if request.sampling_params.logprobs is not None else []
+        return self._output(request, [token.token_id], text, logprobs=logprobs)
 
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
@@ -161,13 +217,18 @@ class Engine:
             return FinishReason.STOP
         if token_id in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
+        if request.grammar is not None and request.grammar.is_terminated:  # its grammar has ended
+            return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> str:
         """Take the request out of the scheduler (its blocks return now); returns held-back text."""
-        self.scheduler.remove(request)
+        if self.compiling.discard(request):  # its grammar was still compiling: it is in no scheduler queue
+            request.status = RequestStatus.FINISHED
+        else:
+            self.scheduler.remove(request)
         del self.requests[request.request_id]
         request.finished_time = self.clock()
         request.finish_reason = reason
@@ -189,14 +250,18 @@ class Engine:
         return outputs
 
     def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        # A forward that raises cannot say which row caused it: the whole batch ends with an error
+        # (each stream gets its protocol's error event), never a silently truncated answer.
         logger.exception("model step failed; failing %d request(s)", len(batch.chunks))
-        outputs = []
-        for chunk in batch.chunks:
-            request = chunk.request
+        return [self._fail_request(chunk.request, exc) for chunk in batch.chunks]
+
+    def _fail_request(self, request: Request, exc: Exception) -> RequestOutput:
+        """End one request with finish reason error (its blocks return now); its output carries the error."""
+        if request.request_id in self.requests:  # it may have finished just before its own work raised
             self._finish(request, FinishReason.ERROR)
-            self.counters.failed_total += 1
-            outputs.append(self._output(request, [], "", error=f"{type(exc).__name__}: {exc}"))
-        return outputs
+        request.finish_reason = FinishReason.ERROR
+        self.counters.failed_total += 1
+        return self._output(request, [], "", error=f"{type(exc).__name__}: {exc}")
 
     def _output(self, request: Request, token_ids: list[int], text: str, **extra: Any) -> RequestOutput:
         return RequestOutput(

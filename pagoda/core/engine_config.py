@@ -18,6 +18,7 @@ class EngineConfig:
     max_batched_tokens: int = 512  # new tokens in one step (prefill chunks + decodes)
     max_model_len: int = 8192  # prompt + output tokens of one request
     enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
+    max_waiting: int | None = None  # requests the waiting queue may hold; a new one beyond is refused (QueueFull)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
@@ -26,6 +27,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)
+                                             or self.max_waiting < 1):
+            raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
 
     @property
     def num_slots(self) -> int:

@@ -58,6 +58,9 @@ class Request:
     generator: Any = None
     # Opaque per-request text state (incremental detokenizer), owned by the engine.
     text_stream: Any = None
+    # Opaque per-request grammar matcher (core/grammar.py) for a constrained request, set at admission.
+    # Its state is the output tokens accepted so far, which preemption keeps: it needs no rollback.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

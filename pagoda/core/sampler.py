@@ -22,17 +22,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """Pick one token per row; logits [len(requests), vocab] float32."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
-        return [self._sample_row(logits[i], request) for i, request in enumerate(requests)]
+        return [self.sample_row(logits[i], request) for i, request in enumerate(requests)]
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> SampledToken:
+    def sample_row(self, row: torch.Tensor, request: Request) -> SampledToken:
+        """One request's token from its own logits row [vocab]; whatever raises here is that request's alone."""
         params = request.sampling_params
-        logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None
+        logprobs = torch.log_softmax(row, dim=-1) if params.logprobs is not None else None  # the model's own
+        if request.grammar is not None:  # a copy with what its grammar forbids next at -inf
+            row = request.grammar.mask(row)
         if params.has_penalties:
             row = _apply_penalties(row.clone(), request)
         if params.greedy:
             token_id = int(torch.argmax(row))
         else:
             token_id = int(torch.multinomial(_probs(row, params), 1, generator=_generator(request)))
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
         if logprobs is None:
             return SampledToken(token_id)
         top = ()
@@ -51,7 +56,8 @@ def _generator(request: Request) -> torch.Generator:
 
 def _probs(row: torch.Tensor, params) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filtering; returns probabilities [vocab]."""
-    row = row / params.temperature
+    # A logit a penalty pushed past float range is the largest finite one, so softmax never sees inf - inf.
+    row = torch.nan_to_num(row / params.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
     if 0 < params.top_k < row.shape[0]:
         kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -60,6 +66,7 @@ def _probs(row: torch.Tensor, params) -> torch.Tensor:
         sorted_probs = torch.softmax(sorted_row, dim=-1)
         # Drop a token when the tokens before it already reach top_p: the one that crosses it stays.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
+        drop[0] = False  # the most likely token always stays (a top_p below float32's range rounds to 0)
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if params.min_p > 0:

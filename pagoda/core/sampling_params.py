@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from pagoda.core.constraint import Constraint
 
 
+# torch.Generator takes any 64-bit seed, signed or not (a negative one folds to seed mod 2**64);
+# OpenAI's and vLLM's seeds are 64-bit integers, so that is the range a request may name.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM's sampler treats them)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its next tokens and when it stops.
@@ -43,7 +49,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and SEED_MIN <= self.seed <= SEED_MAX),
+               "seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
@@ -53,7 +61,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # A temperature this small is argmax anyway, and dividing by it (5e-324) overflows the logits.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

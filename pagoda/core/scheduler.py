@@ -49,6 +49,10 @@ class ContextLengthExceeded(AdmissionError):
     """Prompt + max_tokens is longer than the model's context."""
 
 
+class QueueFull(RuntimeError):
+    """The waiting queue holds `max_waiting` requests: a new one is refused now (it may be retried later)."""
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -80,6 +84,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_admissible(request)
+        limit = self.config.max_waiting
+        if limit is not None and len(self.waiting) >= limit:  # preempted requests re-enter without this check
+            raise QueueFull(f"the server is busy: {len(self.waiting)} requests are already waiting (max {limit})")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -148,7 +155,7 @@ class Scheduler:
         return ScheduledChunk(request=request, start=start, num_tokens=num_new, block_table=tuple(table))
 
     def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+        _remove_identical(self.running, request)
         self.block_manager.cache_blocks(request)  # its computed blocks may serve its own resume
         self.block_manager.free(request.request_id)
         self.num_preemptions += 1
@@ -162,10 +169,10 @@ class Scheduler:
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of its queue and free its blocks."""
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+            _remove_identical(self.running, request)
             self.block_manager.cache_blocks(request)  # what its last step computed stays reusable
         elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+            _remove_identical(self.waiting, request)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.FINISHED
 
@@ -183,3 +190,17 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+def _remove_identical(queue: list[Request] | deque[Request], request: Request) -> None:
+    """Remove `request` itself from `queue`, searching from the newest end.
+
+    Not `queue.remove`: that calls the dataclass `__eq__` (a tuple of every field) on each request
+    before it, which with thousands waiting was the scheduler's largest cost. A request that hangs up
+    while waiting is usually among the newest, hence the search from the right.
+    """
+    for i, queued in enumerate(reversed(queue)):
+        if queued is request:
+            del queue[len(queue) - 1 - i]
+            return
+    raise ValueError(f"request {request.request_id!r} is not in its queue")

@@ -7,6 +7,13 @@ prove it was hard: requests overlapped (peak running > 1, sampled from
 /health while the crowd is in flight) and preemption happened (recomputed
 positions > 0). Afterwards the pool is checked twice, because they are two
 questions: the ledger audit (is it consistent?) and the counters (is it empty?).
+
+A plan that follows another (`after`) is the next turn of its conversation: in
+the crowd it starts `arrival` seconds after the client it follows finished and
+sends that client's conversation, with the answer it got, before its own text;
+a follow-up of a client that did not complete is skipped. The solo pass runs
+the same chains one request at a time, each under a cache salt of its own, so
+the baseline never reads the prefix cache while the crowd does.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +44,8 @@ class CrowdReport:
     wall_seconds: float = 0.0
     health_samples: int = 0
     steps: int = 0  # engine steps the crowd took
+    prefix_queried_tokens: int = 0  # prompt tokens the engine looked up in its prefix cache during the crowd
+    prefix_hit_tokens: int = 0  # and found
 
     @property
     def seconds_per_step(self) -> float:
@@ -48,12 +58,15 @@ class CrowdReport:
             "completed": statuses.count("completed"),
             "hung_up": statuses.count("hung_up"),
             "failed": statuses.count("failed"),
+            "skipped": statuses.count("skipped"),  # follow-ups of clients that did not complete
             "peak_active": self.peak_active,
             "peak_running": self.peak_running,
             "preemptions": self.preemptions,
             "recomputed_tokens": self.recomputed_tokens,
             "wall_seconds": round(self.wall_seconds, 3),
             "steps": self.steps,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_queried_tokens": self.prefix_queried_tokens,
         }
 
 
@@ -72,12 +85,19 @@ async def health(http: httpx.AsyncClient) -> dict:
 
 async def run_solo(base_url: str, plans: list[ClientPlan], model: str, endpoints: Endpoints,
                    headers: dict | None = None) -> dict[str, ClientOutcome]:
-    """Each plan alone, one at a time, never hanging up: the baseline."""
+    """Each plan alone, one at a time, never hanging up, under a cache salt no other request uses: the baseline.
+
+    A follow-up is sent after the plan it follows (plans are in an order where it comes later), with its answer.
+    """
     check_protocols(plans, endpoints)
+    check_chains(plans)
+    run = uuid.uuid4().hex[:8]
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
-        outcomes = {}
+        outcomes: dict[str, ClientOutcome] = {}
         for plan in plans:
-            outcomes[plan.client_id] = await run_client(http, plan.alone(), model, endpoints, headers)
+            history = outcomes[plan.after].conversation if plan.after else ()
+            outcomes[plan.client_id] = await run_client(http, plan.alone(), model, endpoints, headers, history=history,
+                                                        cache_salt=f"solo-{run}-{plan.client_id}")
         return outcomes
 
 
@@ -87,14 +107,18 @@ async def run_crowd(
 ) -> CrowdReport:
     """All plans at once over one connection pool, each starting at its arrival time."""
     check_protocols(plans, endpoints)
+    check_chains(plans)
     limits = httpx.Limits(max_connections=max_connections or len(plans) + 1)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
         before = await health(http)
         gauge = _Gauge()
         started = time.perf_counter()
         sampler = asyncio.ensure_future(_sample_health(http, gauge))
+        loop = asyncio.get_running_loop()
+        left: dict[str, asyncio.Future[ClientOutcome]] = {plan.client_id: loop.create_future() for plan in plans}
         try:
-            results = await asyncio.gather(*(_arrive(http, plan, model, endpoints, headers, gauge) for plan in plans))
+            results = await asyncio.gather(*(_arrive(http, plan, model, endpoints, headers, gauge, left)
+                                             for plan in plans))
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -109,17 +133,41 @@ async def run_crowd(
         wall_seconds=wall,
         health_samples=len(gauge.samples),
         steps=after["steps_total"] - before["steps_total"],
+        prefix_queried_tokens=after["prefix_cache_queried_tokens_total"] - before["prefix_cache_queried_tokens_total"],
+        prefix_hit_tokens=after["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"],
     )
 
 
-async def _arrive(http, plan: ClientPlan, model: str, endpoints: Endpoints, headers, gauge: _Gauge) -> ClientOutcome:
-    await asyncio.sleep(plan.arrival)  # the plan's arrival time is part of the workload, not a wait
-    gauge.active += 1
-    gauge.peak = max(gauge.peak, gauge.active)
+def check_chains(plans: list[ClientPlan]) -> None:
+    """Every follow-up names a client planned before it (so a conversation's turns run in order)."""
+    seen: set[str] = set()
+    for plan in plans:
+        if plan.after is not None and plan.after not in seen:
+            raise ValueError(f"plan {plan.client_id} follows {plan.after!r}, which is not an earlier plan")
+        seen.add(plan.client_id)
+
+
+async def _arrive(http, plan: ClientPlan, model: str, endpoints: Endpoints, headers, gauge: _Gauge,
+                  left: dict[str, asyncio.Future[ClientOutcome]]) -> ClientOutcome:
+    outcome = None
     try:
-        return await run_client(http, plan, model, endpoints, headers)
+        history: tuple[tuple[str, str], ...] = ()
+        if plan.after is not None:
+            previous = await left[plan.after]  # the turn before has ended (every client ends: bounded by timeouts)
+            if previous.status != "completed":
+                outcome = ClientOutcome(plan.client_id, status="skipped", error=f"{plan.after} {previous.status}")
+                return outcome
+            history = previous.conversation
+        await asyncio.sleep(plan.arrival)  # the plan's arrival (or think) time is part of the workload, not a wait
+        gauge.active += 1
+        gauge.peak = max(gauge.peak, gauge.active)
+        try:
+            outcome = await run_client(http, plan, model, endpoints, headers, history=history)
+        finally:
+            gauge.active -= 1
+        return outcome
     finally:
-        gauge.active -= 1
+        left[plan.client_id].set_result(outcome or ClientOutcome(plan.client_id, status="failed"))
 
 
 async def _sample_health(http: httpx.AsyncClient, gauge: _Gauge, every: float = 0.01) -> None:

@@ -7,14 +7,20 @@ the server's registered endpoints: each endpoint's client half builds the body
 and reads the answer, normalised across protocols to (text, finish reason,
 token counts), so that a crowd run can be compared with a solo run of the same
 plans. SSE and NDJSON streams are read alike (pagoda.plugins.client.line_data).
+
+A plan that follows another (`after`) is the next turn of that client's
+conversation: it is sent with the earlier turns as its history (a chat
+endpoint sends them as messages, a plain-prompt one as text before its own),
+so its prompt begins with the one before and the answer it got.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -36,13 +42,18 @@ class ClientOutcome:
     error: str | None = None
     first_byte_seconds: float | None = None
     seconds: float = 0.0
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache
+    # the conversation after this turn, (user text, answer) each: what a follow-up of this client sends first
+    conversation: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
-def client_request(plan: ClientPlan, model: str) -> ClientRequest:
-    """The plan as a generic request, for its endpoint to put in its own words."""
+def client_request(plan: ClientPlan, model: str, history: tuple[tuple[str, str], ...] = (),
+                   cache_salt: str | None = None) -> ClientRequest:
+    """The plan as a generic request, for its endpoint to put in its own words (`cache_salt` overrides the plan's)."""
     return ClientRequest(prompt=plan.prompt_text or "Hello", max_tokens=plan.max_tokens, stream=plan.stream,
                          temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
-                         ignore_eos=plan.ignore_eos, model=model)
+                         ignore_eos=plan.ignore_eos, model=model, cache_salt=cache_salt or plan.cache_salt,
+                         history=history, json_schema=json.loads(plan.json_schema) if plan.json_schema else None)
 
 
 def check_protocols(plans: Iterable[ClientPlan], endpoints: Endpoints) -> None:
@@ -54,14 +65,19 @@ def check_protocols(plans: Iterable[ClientPlan], endpoints: Endpoints) -> None:
 
 
 async def run_client(http: httpx.AsyncClient, plan: ClientPlan, model: str, endpoints: Endpoints,
-                     headers: dict | None = None) -> ClientOutcome:
-    """Send one plan's request to its protocol's endpoint; hang up at `plan.hangup_after` seconds if it says so."""
+                     headers: dict | None = None, *, history: tuple[tuple[str, str], ...] = (),
+                     cache_salt: str | None = None) -> ClientOutcome:
+    """Send one plan's request to its protocol's endpoint; hang up at `plan.hangup_after` seconds if it says so.
+
+    `history`: the conversation before this turn (a follow-up's: its predecessor's `conversation`).
+    """
     check_protocols([plan], endpoints)
     endpoint = endpoints[plan.protocol]
     started = time.perf_counter()
     outcome = ClientOutcome(plan.client_id, status="failed")
     answer = endpoint.client_answer()
-    work = asyncio.ensure_future(_exchange(http, endpoint, plan, model, headers or {}, answer, outcome, started))
+    ask = client_request(plan, model, history, cache_salt)
+    work = asyncio.ensure_future(_exchange(http, endpoint, ask, plan.stream, headers or {}, answer, outcome, started))
     try:
         if plan.hangup_after is None:
             await work
@@ -81,14 +97,16 @@ async def run_client(http: httpx.AsyncClient, plan: ClientPlan, model: str, endp
     outcome.finish_reason = answer.finish_reason
     outcome.output_tokens = answer.output_tokens
     outcome.prompt_tokens = answer.prompt_tokens
+    outcome.cached_tokens = answer.cached_tokens
+    outcome.conversation = (*history, (ask.prompt, answer.text))
     outcome.seconds = time.perf_counter() - started
     return outcome
 
 
-async def _exchange(http, endpoint: Endpoint, plan: ClientPlan, model: str, headers, answer: ClientAnswer,
+async def _exchange(http, endpoint: Endpoint, ask: ClientRequest, stream: bool, headers, answer: ClientAnswer,
                     outcome: ClientOutcome, started: float) -> None:
-    body = endpoint.client_request(client_request(plan, model))
-    if not plan.stream:
+    body = endpoint.client_request(ask)
+    if not stream:
         response = await http.post(endpoint.path, json=body, headers=headers)
         outcome.first_byte_seconds = time.perf_counter() - started
         if response.status_code != 200:

@@ -72,16 +72,19 @@ class LiveServer:
 
 def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None = None,
                  environ: dict[str, str] | None = None, settings: ServeSettings | None = None,
-                 **engine_options: Any) -> LiveServer:
+                 refuse_unknown_models: bool = False, **engine_options: Any) -> LiveServer:
     """Build the engine through the real loading path and serve it; stop it with `.server.stop()`.
 
     `engine_options` are EngineOptions fields (device and dtype default to cpu/float32 here);
     `settings` replaces the serve settings (its model name and key are taken from the arguments).
+    The crowd clients and most tests send a placeholder model name, so by default any name is answered
+    as `model_name`; `refuse_unknown_models=True` serves as `pagoda serve` does (404 for another name).
     """
     options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **engine_options})
     engine, tokenizer, _ = build_engine(options, progress=False)
     async_engine = AsyncEngine(engine)
-    settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key)
+    settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key,
+                                   refuse_unknown_models=refuse_unknown_models)
     plugins = load_plugins(environ or {})
     app = create_app(async_engine, tokenizer, plugins, settings)
     server = BackgroundServer(app, send_buffer=settings.send_buffer_size).start()

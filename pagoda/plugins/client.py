@@ -11,7 +11,8 @@ protocols:
     endpoint.errors.read_error(status, body) -> ApiError   an error body read back
 
 An answer is normalised across protocols: its text, a finish reason that is
-"stop" or "length", and the prompt and output token counts the server reported.
+"stop" or "length", and the prompt, cached-prompt and output token counts the
+server reported (`prompt_tokens` counts every prompt token, cached or not).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 class ClientRequest:
     """A generation request as any protocol's client could ask it; each endpoint renames the fields."""
 
-    prompt: str  # the user's text (a chat endpoint sends it as one user message)
+    prompt: str  # the user's text (a chat endpoint sends it as the last user message)
     max_tokens: int
     stream: bool = False
     temperature: float = 0.0
@@ -42,6 +43,24 @@ class ClientRequest:
     seed: int | None = None
     ignore_eos: bool = False
     model: str = "default"
+    cache_salt: str | None = None  # sent as the body's `cache_salt` extension (all four protocols)
+    # Earlier turns of a conversation, (user text, assistant answer) each: a chat endpoint sends them as messages
+    # before `prompt`; the others prepend their text to it (see `flat_prompt`).
+    history: tuple[tuple[str, str], ...] = ()
+    # The answer must be JSON valid against this schema: each endpoint sends it in its protocol's own
+    # structured-output field (response_format, text.format, output_config.format).
+    json_schema: Any = None
+
+    @property
+    def flat_prompt(self) -> str:
+        """The conversation as one text: each earlier turn's user text and answer, then `prompt`."""
+        return "".join(user + answer for user, answer in self.history) + self.prompt
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation as chat messages: each earlier turn, then `prompt` as the last user message."""
+        turns = [m for user, answer in self.history
+                 for m in ({"role": "user", "content": user}, {"role": "assistant", "content": answer})]
+        return turns + [{"role": "user", "content": self.prompt}]
 
     def sampling_fields(self) -> dict[str, Any]:
         """model, stream and the sampling fields under the names OpenAI's and Anthropic's bodies share."""
@@ -53,6 +72,8 @@ class ClientRequest:
             fields["seed"] = self.seed
         if self.ignore_eos:
             fields["ignore_eos"] = True
+        if self.cache_salt is not None:
+            fields["cache_salt"] = self.cache_salt
         return fields
 
 
@@ -68,6 +89,7 @@ class ClientAnswer:
         self.finish_reason: Literal["stop", "length"] | None = None
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
+        self.cached_tokens: int | None = None  # of the prompt tokens, those the server found in its prefix cache
 
     @property
     def text(self) -> str:

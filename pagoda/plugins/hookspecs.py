@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagoda.plugins.disconnect import DisconnectPolicy
     from pagoda.plugins.protocol import Endpoint
     from pagoda.plugins.route import Route, ServedModel
+    from pagoda.plugins.tools import ToolParser
 
 hookspec = HookspecMarker("pagoda")
 hookimpl = HookimplMarker("pagoda")
@@ -42,6 +43,11 @@ def pagoda_register_disconnect_policies(register: Callable[[DisconnectPolicy], N
 @hookspec
 def pagoda_register_routes(register: Callable[[Route], None]) -> None:
     """Register HTTP routes that are not generation endpoints (a listing, a page), each a Route."""
+
+
+@hookspec
+def pagoda_register_tool_parsers(register: Callable[[ToolParser], None]) -> None:
+    """Register tool-call parsers (a model family's call syntax; chosen by --tool-parser)."""
 
 
 @hookspec

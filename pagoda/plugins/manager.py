@@ -32,6 +32,7 @@ from pagoda.plugins import hookspecs
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.protocol import Endpoint
 from pagoda.plugins.route import Route, ServedModel
+from pagoda.plugins.tools import ToolParser
 
 BUILTIN_PLUGINS = (
     "pagoda.plugins.builtin.openai_common",  # the OpenAI family's model card fields
@@ -42,7 +43,9 @@ BUILTIN_PLUGINS = (
     "pagoda.plugins.builtin.disconnect_abort",
     "pagoda.plugins.builtin.disconnect_finish",
     "pagoda.plugins.builtin.models",
+    "pagoda.plugins.builtin.tokenize",  # POST /tokenize, /detokenize, /v1/messages/count_tokens
     "pagoda.plugins.builtin.chat_page",
+    "pagoda.plugins.builtin.tool_parsers",
 )
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"
@@ -129,6 +132,10 @@ def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
         routes: list[Route] = []
         impl.function(register=routes.append)
         found.setdefault(impl.plugin_name, []).extend(r.method_path for r in routes)
+    for impl in pm.hook.pagoda_register_tool_parsers.get_hookimpls():
+        parsers: list[ToolParser] = []
+        impl.function(register=parsers.append)
+        found.setdefault(impl.plugin_name, []).extend(f"tool parser {p.name!r}" for p in parsers)
     for impl in pm.hook.pagoda_model_card.get_hookimpls():
         fields = impl.function(model=ServedModel(name="model", created=0, max_model_len=0)) or {}
         found.setdefault(impl.plugin_name, []).append(f"model card fields: {', '.join(fields)}")
@@ -150,6 +157,14 @@ def collect_disconnect_policies(pm: pluggy.PluginManager) -> dict[str, Disconnec
     pm.hook.pagoda_register_disconnect_policies(register=policies.append)
     _check_unique(policies, "name", "disconnect policies")
     return {p.name: p for p in policies}
+
+
+def collect_tool_parsers(pm: pluggy.PluginManager) -> dict[str, ToolParser]:
+    """Every tool-call parser the plugins register, by name."""
+    parsers: list[ToolParser] = []
+    pm.hook.pagoda_register_tool_parsers(register=parsers.append)
+    _check_unique(parsers, "name", "tool parsers")
+    return {p.name: p for p in parsers}
 
 
 def collect_routes(pm: pluggy.PluginManager) -> list[Route]:

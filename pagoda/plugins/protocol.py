@@ -24,7 +24,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import msgspec
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
@@ -33,6 +35,10 @@ from pagoda.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.plugins.client import ClientAnswer, ClientRequest
+
+
+# A body's `cache_salt` (vLLM's name for it): requests share prefix-cache blocks only under an equal salt.
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 
 
 class RequestError(ValueError):
@@ -69,11 +75,45 @@ def join_text_parts(content: Any, field: str, text_types: Sequence[str] = ("text
     return "\n".join(texts)
 
 
-def make_sampling_params(renames: Mapping[str, str] | None = None, **fields: Any) -> SamplingParams:
-    """SamplingParams(**fields), a None field taking its default; a ValueError becomes a RequestError naming the
-    protocol's field (`renames`: SamplingParams' name -> the protocol's)."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, beyond the value ranges of its fields (the serve options set them)."""
+
+    max_stop: int = 16  # stop strings in one request
+    max_stop_length: int = 1_000  # characters in one stop string
+    max_logprobs: int = 20  # top alternatives per token (the most SamplingParams allows)
+    max_tokens: int | None = None  # output tokens of one request; None = whatever fits the context
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop", "max_stop_length", "max_logprobs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError, starting with SamplingParams' field name, for params over a limit."""
+        if len(params.stop) > self.max_stop:
+            raise ValueError(f"stop may hold at most {self.max_stop} strings, got {len(params.stop)}")
+        if any(len(s) > self.max_stop_length for s in params.stop):
+            raise ValueError(f"stop strings may be at most {self.max_stop_length} characters long")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs may be at most {self.max_logprobs}, got {params.logprobs}")
+        if self.max_tokens is not None and params.max_tokens > self.max_tokens:
+            raise ValueError(f"max_tokens may be at most {self.max_tokens}, got {params.max_tokens}")
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def make_sampling_params(renames: Mapping[str, str] | None = None, *, limits: RequestLimits | None = None,
+                         **fields: Any) -> SamplingParams:
+    """SamplingParams(**fields), a None field taking its default, checked against `limits`; a ValueError becomes a
+    RequestError naming the protocol's field (`renames`: SamplingParams' name -> the protocol's)."""
     try:
-        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+        params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+        (limits or DEFAULT_LIMITS).check(params)
+        return params
     except ValueError as exc:  # SamplingParams' messages start with the field's name
         name, _, why = str(exc).partition(" ")
         param = (renames or {}).get(name, name)
@@ -88,16 +128,34 @@ class ServeContext:
     model_name: str  # the name responses report (--served-model-name)
     max_model_len: int  # prompt + output tokens of one request
     max_kv_tokens: int  # KV slots in the whole pool: a request can never hold more
+    limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (make_sampling_params checks it)
+    tool_parser: Any = None  # pagoda.plugins.tools.ToolParser (--tool-parser); None = tools are refused
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (with the tokenizer's own special tokens, e.g. BOS)."""
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ready for the reply."""
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] = ()) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for the reply.
+
+        With `tools` (pagoda.plugins.tools.Tool), or past calls and results in `messages`: a template that
+        renders tools gets them as they are; any other gets the tool parser's default prompt and syntax."""
         if not getattr(self.tokenizer, "has_chat_template", True):
             raise RequestError("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        if getattr(self.tokenizer, "chat_template_takes_tools", False):
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                              tools=[t.as_openai() for t in tools] or None)
+        from pagoda.plugins.tools import plain_messages  # tools.py imports this module
+
+        return self.tokenizer.encode_chat(plain_messages(messages, tools, self.parser()), add_generation_prompt=True)
+
+    def parser(self) -> Any:
+        """The server's tool parser, or a 400 when it has none."""
+        if self.tool_parser is None:
+            raise RequestError("this server has no tool parser (pagoda serve --tool-parser NAME)", "tools")
+        return self.tool_parser
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """For a request that names no limit: as many tokens as fit the context and the KV pool."""
@@ -113,6 +171,8 @@ class Generation:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    cache_salt: str | None = None  # the body's `cache_salt`: prefix-cache blocks are shared only under an equal one
+    tool_parser: Any = None  # pagoda.plugins.tools.ToolParser: reads the answer's tool calls; None = plain text
 
 
 @dataclass
@@ -147,6 +207,7 @@ class Completion:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[SampledToken] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached tokens)
 
     @classmethod
     def from_outputs(cls, outputs: Sequence[RequestOutput]) -> Completion:
@@ -161,6 +222,7 @@ class Completion:
             num_prompt_tokens=last.num_prompt_tokens,
             num_output_tokens=last.num_output_tokens,
             logprobs=[lp for o in outputs for lp in o.logprobs],
+            num_cached_tokens=last.num_cached_tokens,
         )
 
 

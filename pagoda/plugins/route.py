@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.plugins.protocol import ErrorShape
+from pagoda.plugins.protocol import ErrorShape, ServeContext
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,16 @@ class ServedModel:
     name: str  # --served-model-name, the id clients send
     created: int  # unix seconds: when the server was built
     max_model_len: int  # prompt + output tokens of one request
+    aliases: tuple[str, ...] = ()  # more names clients may send for it (--served-model-name A B ...)
 
 
 @dataclass(frozen=True)
 class RouteContext:
-    """What a route's handler is made from: the served model and its card."""
+    """What a route's handler is made from: the served model, its card, and the tokenizer and limits."""
 
     model: ServedModel
     card: Mapping[str, Any]  # the model's card: every plugin's pagoda_model_card fields, merged
+    serving: ServeContext | None = None  # what the protocols' prepare gets (None where no model is loaded)
 
 
 @dataclass(frozen=True)

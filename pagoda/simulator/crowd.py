@@ -44,6 +44,7 @@ class ClientPlan:
     after: str | None = None  # a follow-up of this client: `arrival` counts from when it left
     cache_salt: str | None = None  # prefix-cache keys: blocks are shared only under equal ones
     tenant: str | None = None
+    json_schema: str | None = None  # live runs: the answer must be JSON valid against this schema (its JSON text)
 
     def __post_init__(self) -> None:
         if self.prompt is not None:

@@ -13,7 +13,8 @@ from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 
 STATS = {"running": 2, "waiting": 1, "kv_blocks_total": 8, "kv_blocks_free": 6, "preemptions_total": 3,
-         "recomputed_tokens_total": 40, "requests_total": 9, "aborted_total": 1}
+         "recomputed_tokens_total": 40, "requests_total": 9, "aborted_total": 1, "kv_blocks_cached_free": 4,
+         "prefix_cache_queried_tokens_total": 300, "prefix_cache_hit_tokens_total": 96}
 
 
 def output(n_out: int, new: list[int], finished: bool = False) -> RequestOutput:
@@ -91,3 +92,5 @@ def test_the_engine_gauges_come_from_the_stats_of_the_scrape():
     assert s[("pagoda_requests_running", ())] == 2 and s[("pagoda_requests_waiting", ())] == 1
     assert s[("pagoda_kv_cache_usage_ratio", ())] == pytest.approx(0.25)
     assert s[("pagoda_preemptions_total", ())] == 3 and s[("pagoda_recomputed_tokens_total", ())] == 40
+    assert s[("pagoda_prefix_cache_queries_tokens_total", ())] == 300
+    assert s[("pagoda_prefix_cache_hits_tokens_total", ())] == 96 and s[("pagoda_kv_blocks_cached_free", ())] == 4

@@ -59,7 +59,10 @@ def test_chat_stream_equals_unary_and_reports_usage_last(client, chat_reference,
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == reply.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: found in the prefix cache
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 5  # it really streamed
 
 
@@ -242,7 +245,8 @@ def test_errors_reach_the_sdk_as_its_exception_and_the_server_keeps_serving(clie
     with pytest.raises(openai.BadRequestError):
         list(client.chat.completions.create(model=tiny_server.model_name, messages=MESSAGES, max_tokens=5000,
                                             stream=True))
-    r = httpx.post(tiny_server.url + "/v1/chat/completions", content=b"{not json", timeout=60)
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", content=b"{not json", timeout=60,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     ok = client.chat.completions.create(model=tiny_server.model_name, messages=MESSAGES, max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3

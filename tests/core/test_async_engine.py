@@ -10,7 +10,7 @@ import pytest
 from pagoda.core.async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import AdmissionError
-from tests.helpers import fake_engine, run
+from tests.helpers import await_condition, fake_engine, run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
@@ -315,3 +315,47 @@ def test_an_idle_loop_sleeps(make_engine):
     run(async_engine.stats())
     assert async_engine.num_wakeups == before + 1  # one command, one wake-up
 
+
+
+def test_latest_stats_answer_during_a_step_and_refuse_a_stuck_one(make_engine):
+    gate = []
+    async_engine = make_engine(wrap=lambda r: gate.append(GatedRunner(r)) or gate[0])
+    before = async_engine.latest_stats(stuck_after=60)
+    assert before["requests_total"] == 0
+
+    async def main():
+        task = asyncio.ensure_future(collect(async_engine, [1, 2, 3]))
+        await await_condition(lambda: async_engine.latest_stats(60)["requests_total"] == 1, "the admission shown")
+        # the first step waits at the gate: the snapshot still answers, until the step counts as stuck
+        with pytest.raises(EngineDeadError, match="step in progress"):
+            await await_condition(lambda: async_engine.latest_stats(stuck_after=0.05) is None, "a stuck step")
+        gate[0].open()
+        outs = await task
+        stats = async_engine.latest_stats(stuck_after=60)
+        assert stats["generated_tokens_total"] == len([t for o in outs for t in o.new_token_ids]) == 8
+        assert stats["running"] == 0
+
+    run(main())
+    async_engine.stop()
+    with pytest.raises(EngineDeadError):
+        async_engine.latest_stats(stuck_after=60)
+
+
+def test_generate_keys_the_prefix_cache_by_salt_and_tenant():
+    """The async engine hands cache_salt and tenant to the engine: only equal keys share cached blocks."""
+    loop_engine = AsyncEngine(fake_engine(num_blocks=64, block_size=4))
+    loop_engine.start()
+    prompt = list(range(1, 18))  # 4 full blocks of 4, and one token more
+
+    async def cached(**keys) -> int:
+        outs = [o async for o in loop_engine.generate(prompt, SamplingParams(max_tokens=2), **keys)]
+        return outs[-1].num_cached_tokens
+
+    async def run() -> list[int]:
+        return [await cached(tenant="a"), await cached(tenant="b"), await cached(tenant="a"),
+                await cached(tenant="a", cache_salt="s"), await cached(tenant="a", cache_salt="s")]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 0, 16, 0, 16]
+    finally:
+        loop_engine.stop()

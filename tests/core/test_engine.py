@@ -182,3 +182,31 @@ def test_a_shared_prefix_is_computed_once_and_reported():
     alone = fake_engine(num_blocks=16, block_size=4, enable_prefix_caching=False)
     alone.add_request("third", system + [30, 31], GREEDY)
     assert tokens(drain(alone)["third"]) == tokens(outs["third"])
+
+
+def test_a_sampling_failure_fails_that_request_alone():
+    from tests.helpers import FaultySampler
+
+    solo = fake_engine()
+    solo.add_request("b", [5, 6, 7], SamplingParams(max_tokens=12, temperature=0))
+    alone = tokens(drain(solo)["b"])
+
+    engine = fake_engine()
+    engine.sampler = FaultySampler(engine.sampler, lambda r: r.request_id == "bad" and r.num_output_tokens == 2)
+    engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=12, temperature=0.7, seed=3))
+    engine.add_request("b", [5, 6, 7], SamplingParams(max_tokens=12, temperature=0))
+    outs = drain(engine)
+    assert outs["bad"][-1].finish_reason is FinishReason.ERROR and "injected" in outs["bad"][-1].error
+    assert len(tokens(outs["bad"])) == 2
+    assert tokens(outs["b"]) == alone and outs["b"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    assert engine.stats()["failed_total"] == 1
+
+
+def test_token_ids_in_the_params_must_be_in_the_vocabulary():
+    engine = fake_engine()
+    with pytest.raises(ValueError, match="logit_bias token id 64 is outside the vocabulary"):
+        engine.add_request("a", [1], SamplingParams(logit_bias={64: 1.0}))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("a", [1], SamplingParams(stop_token_ids=(10_000,)))
+    assert not engine.requests

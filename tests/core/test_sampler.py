@@ -71,3 +71,21 @@ def test_logprobs_of_the_model_distribution():
     assert math.isclose(s.top_logprobs[1][1], math.log(0.3), rel_tol=1e-5)
     (plain,) = Sampler().sample(LOGITS[None], [req(temperature=0)])
     assert plain.logprob is None and plain.top_logprobs is None
+
+
+def test_a_vanishing_temperature_is_greedy_and_never_overflows():
+    # found by tests/api/test_fuzz.py: 5e-324 divided the logits into inf and the probabilities into nan
+    assert SamplingParams(temperature=5e-324).greedy and not SamplingParams(temperature=1e-3).greedy
+    assert Sampler().sample(LOGITS[None], [req(temperature=5e-324)])[0].token_id == int(torch.argmax(LOGITS))
+
+
+def test_a_penalty_that_overflows_the_logits_still_samples():
+    prompt = tuple(range(LOGITS.shape[0]))
+    for _ in range(20):
+        token = Sampler().sample(LOGITS[None], [req(prompt=prompt, temperature=1.0, repetition_penalty=5e-324)])[0]
+        assert 0 <= token.token_id < LOGITS.shape[0]
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token():
+    # found by tests/api/test_fuzz.py: top_p=5e-324 is 0 in float32 and dropped every token
+    assert set(draws(LOGITS, n=50, temperature=1.0, top_p=5e-324)) == {int(torch.argmax(LOGITS))}

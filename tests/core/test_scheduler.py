@@ -4,7 +4,7 @@ from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import Request, RequestStatus
 from pagoda.core.sampling_params import SamplingParams
-from pagoda.core.scheduler import ContextLengthExceeded, KVCacheExhausted, Scheduler
+from pagoda.core.scheduler import ContextLengthExceeded, KVCacheExhausted, QueueFull, Scheduler
 
 
 def make(num_blocks=8, block_size=4, max_running=4, max_batched_tokens=16, max_model_len=128, prefix_caching=True):
@@ -276,3 +276,19 @@ def test_prefix_caching_off_never_shares():
     commit(batch)
     s.audit()
     assert s.block_manager.num_cached_free_blocks == 0
+
+
+def test_a_full_waiting_queue_refuses_a_new_request_but_takes_back_a_preempted_one():
+    config = EngineConfig(num_blocks=8, block_size=4, max_running=1, max_batched_tokens=16, max_model_len=128,
+                          max_waiting=1)
+    s = Scheduler(config, BlockManager(8, 4, True))
+    s.add(req("a", 4))
+    with pytest.raises(QueueFull, match="max 1"):
+        s.add(req("b", 4))
+    commit(s.schedule())  # a runs: the queue is empty again
+    s.add(req("b", 4))
+    assert [r.request_id for r in s.waiting] == ["b"]
+    s._preempt(s.running[0])  # a preempted request goes back whatever the limit
+    assert [r.request_id for r in s.waiting] == ["a", "b"]
+    with pytest.raises(ValueError, match="max_waiting"):
+        EngineConfig(max_waiting=0)

@@ -55,7 +55,8 @@ def test_render_gives_the_stop_reason_and_usage(reason, matched, stop_reason, se
     assert reply["type"] == "message" and reply["role"] == "assistant" and reply["id"].startswith("msg_")
     assert reply["content"] == [{"type": "text", "text": "Hi!"}]
     assert (reply["stop_reason"], reply["stop_sequence"]) == (stop_reason, sequence)
-    assert reply["usage"] == {"input_tokens": call.num_prompt_tokens, "output_tokens": 2}
+    assert reply["usage"] == {"input_tokens": call.num_prompt_tokens, "output_tokens": 2,
+                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
 def test_the_stream_is_anthropics_named_event_sequence():
@@ -64,10 +65,12 @@ def test_the_stream_is_anthropics_named_event_sequence():
     assert [e.name for e in events] == ["message_start", "content_block_start", "ping", "content_block_delta",
                                         "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert all(e.data["type"] == e.name for e in events)
-    assert events[0].data["message"]["usage"] == {"input_tokens": call.num_prompt_tokens, "output_tokens": 0}
+    assert events[0].data["message"]["usage"] == {"input_tokens": call.num_prompt_tokens, "output_tokens": 0,
+                                                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     assert [e.data["delta"]["text"] for e in events[3:5]] == ["a", "b"]
     assert events[6].data == {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "\n"},
-                              "usage": {"output_tokens": 2}}
+                              "usage": {"input_tokens": call.num_prompt_tokens, "output_tokens": 2,
+                                        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
 
 
 @pytest.mark.parametrize(("status", "kind"), [

@@ -30,7 +30,8 @@ from pagoda.plugins.route import Route, ServedModel
 from tests.helpers import fake_engine
 
 BUILTIN_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
-BUILTIN_ROUTES = {"GET /", "GET /v1/models", "GET /v1/models/{model_id:str}"}
+BUILTIN_ROUTES = {"GET /", "GET /v1/models", "GET /v1/models/{model_id:str}", "POST /tokenize", "POST /detokenize",
+                  "POST /v1/messages/count_tokens"}
 
 
 def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():

@@ -9,7 +9,7 @@ from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.builtin.openai_responses import Responses
 from pagoda.plugins.client import ClientError, ClientRequest
 from pagoda.plugins.protocol import ApiError, RequestError
-from tests.helpers import decode, outputs, prepared
+from tests.helpers import context, decode, outputs, prepared
 
 ENDPOINTS = (Completions(), ChatCompletions(), Responses())
 
@@ -63,11 +63,20 @@ def test_an_empty_stop_string_is_refused_naming_stop(endpoint):
     assert info.value.param == "stop"
 
 
-def test_more_than_16_stop_strings_are_refused_while_decoding():
-    import msgspec
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: e.protocol)
+def test_stop_strings_are_bounded_by_the_configured_limits(endpoint):
+    import dataclasses
 
-    with pytest.raises(msgspec.ValidationError, match=r"\$\.stop"):
-        decode(Completions(), {"model": "m", "prompt": "x", "stop": [str(i) for i in range(17)]})
+    from pagoda.plugins.protocol import RequestLimits
+
+    many = {"stop": [str(i) for i in range(17)], **endpoint.client_request(ClientRequest("hi", 4))}
+    with pytest.raises(RequestError, match="at most 16 strings") as info:
+        prepared(endpoint, many)
+    assert info.value.param == "stop"
+    with pytest.raises(RequestError, match="at most 1000 characters"):
+        prepared(endpoint, {**many, "stop": ["x" * 100_000]})
+    roomy = dataclasses.replace(context(), limits=RequestLimits(max_stop=32))
+    assert len(prepared(endpoint, many, roomy).generation.sampling_params.stop) == 17
 
 
 def test_n_and_logit_bias_are_checked_once():
@@ -87,13 +96,16 @@ def test_the_developer_role_is_the_templates_system():
 
 
 def test_usage_finish_reasons_and_the_usage_chunk():
-    assert oc.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert oc.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert oc.usage(3, 4, 2)["prompt_tokens_details"] == {"cached_tokens": 2}
     assert [oc.finish_reason(r) for r in FinishReason] == ["stop", "length", "stop", "stop"]
     call = prepared(Completions(), {"model": "m", "prompt": "abc"})
     last = outputs(call, ["x", "y"])[-1]
     chunk = oc.usage_chunk({"id": "c", "choices": [{"index": 0}], "usage": None}, last)
     assert chunk == {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
-                                                         "total_tokens": 5}}
+                                                         "total_tokens": 5,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_client_fields_ask_a_stream_for_its_usage():

@@ -53,7 +53,8 @@ def test_render_gives_text_finish_reason_and_usage():
     reply = ENDPOINT.render(call, completion(call, ["Hel", "lo"]))
     assert reply["object"] == "text_completion" and reply["id"].startswith("cmpl-") and reply["model"] == "m"
     assert reply["choices"] == [{"index": 0, "text": "Hello", "finish_reason": "length", "logprobs": None}]
-    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert reply["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     stopped = ENDPOINT.render(call, completion(call, ["x"], reason=FinishReason.STOP, stop_reason="\n"))
     assert stopped["choices"][0]["finish_reason"] == "stop"
 

@@ -38,9 +38,7 @@ def test_fields_map_to_sampling_params():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": []}, "input"),
-    ({"input": [{"type": "function_call"}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": [{"content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
     ({"stop": ["a", ""]}, "stop"),
 ])

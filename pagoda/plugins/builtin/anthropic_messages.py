@@ -4,22 +4,36 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
+from pagoda.plugins.builtin import anthropic_tools as at
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, ErrorShape
+from pagoda.plugins.protocol import ApiError, CacheSalt, Call, Completion, Endpoint, ErrorShape
 from pagoda.plugins.protocol import Event, Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
 from pagoda.plugins.route import ServedModel
+from pagoda.plugins.tools import tool_use
 
 
 class TextBlock(msgspec.Struct):
     type: str
     text: str | None = None
+    # tool_use and tool_result blocks (pagoda/plugins/builtin/anthropic_tools.py):
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text block needs text")
 
 
 class Message(msgspec.Struct):
@@ -28,6 +42,12 @@ class Message(msgspec.Struct):
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
+    # Known fields of Anthropic's body that pagoda does not serve -> the values that change nothing (None/false too).
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
+        "service_tier": ("auto", "standard_only"), "inference_geo": (), "speed": (),
+    }
+
     model: str
     messages: list[Message]
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
@@ -43,19 +63,27 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     ignore_eos: bool = False
+    cache_salt: CacheSalt | None = None  # the prefix cache's key (Generation.cache_salt)
+    tools: list[at.AnthropicTool] | None = None
+    tool_choice: at.AnthropicToolChoice | None = None
+    output_config: at.OutputConfig | None = None
 
 
 def blocks_text(content: str | list[TextBlock] | None, field: str) -> str:
     return join_text_parts(content, field, index=".{}")
 
 
-def conversation(body: MessagesRequest) -> list[dict[str, str]]:
+def conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     system = blocks_text(body.system, "system")
-    messages = [{"role": "system", "content": system}] if system else []
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     if not body.messages:
         raise RequestError("messages: at least one message is required", "messages")
+    called: set[str] = set()
     for i, m in enumerate(body.messages):
-        messages.append({"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content")})
+        if not isinstance(m.content, str) and any(b.type in ("tool_use", "tool_result") for b in m.content):
+            messages += at.message_entries(m.role, m.content, i, called)
+        else:
+            messages.append({"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content")})
     return messages
 
 
@@ -66,6 +94,12 @@ def stop_reason(completion_reason: FinishReason, matched: str | int | None) -> t
     if isinstance(matched, str):
         return "stop_sequence", matched
     return "end_turn", None
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache (their sum is the prompt)."""
+    return {"input_tokens": num_prompt_tokens - num_cached_tokens, "output_tokens": num_output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": num_cached_tokens}
 
 
 class AnthropicErrors(ErrorShape):
@@ -96,9 +130,13 @@ class Messages(Endpoint):
     errors = ANTHROPIC_ERRORS
 
     def prepare(self, body: MessagesRequest, ctx: ServeContext) -> Generation:
-        ids = ctx.encode_chat(conversation(body))
+        tools = at.tools_of(body.tools)
+        constraint, parser, listed = tool_use(ctx, tools, at.choice_of(body.tool_choice, tools),
+                                              at.output_format(body.output_config), "output_config.format")
+        ids = ctx.encode_chat(conversation(body), listed)
         params = make_sampling_params(
             {"stop": "stop_sequences"},
+            limits=ctx.limits,
             max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -108,11 +146,12 @@ class Messages(Endpoint):
             ignore_eos=body.ignore_eos,
             seed=body.seed,
             stop=body.stop_sequences,
+            constraint=constraint,
         )
-        return Generation(ids, params, stream=body.stream)
+        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
 
     def _message(self, call: Call, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
-                 output_tokens: int) -> dict[str, Any]:
+                 output_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {
             "id": call.id,
             "type": "message",
@@ -121,21 +160,60 @@ class Messages(Endpoint):
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": {"input_tokens": call.num_prompt_tokens, "output_tokens": output_tokens},
+            "usage": usage(call.num_prompt_tokens, output_tokens, cached_tokens),
         }
 
     def render(self, call: Call, completion: Completion) -> dict[str, Any]:
         reason, sequence = stop_reason(completion.finish_reason, completion.stop_reason)
         content = [{"type": "text", "text": completion.text}]
-        return self._message(call, content, reason, sequence, completion.num_output_tokens)
+        parser = call.generation.tool_parser
+        if parser is not None:  # the blocks the stream builds, from the whole text at once
+            blocks, reader = at.Blocks(call), parser.stream()
+            blocks.apply(reader.feed(completion.text) + reader.finish())
+            blocks.close()
+            content = blocks.blocks
+            reason = "tool_use" if blocks.num_calls and reason == "end_turn" else reason
+        return self._message(call, content, reason, sequence, completion.num_output_tokens,
+                             completion.num_cached_tokens)
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        yield Event({"type": "message_start", "message": self._message(call, [], None, None, 0)}, "message_start")
-        yield Event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-                    "content_block_start")
-        yield Event({"type": "ping"}, "ping")
+    async def _tool_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        """The stream of an answer read for tool calls: a block opens when its text or call begins."""
+        blocks, reader = at.Blocks(call), call.generation.tool_parser.stream()
         last = None
         async for out in outputs:
+            if last is None:
+                start = self._message(call, [], None, None, 0, out.num_cached_tokens)
+                yield Event({"type": "message_start", "message": start}, "message_start")
+                yield Event({"type": "ping"}, "ping")
+            last = out
+            for event in blocks.apply(reader.feed(out.new_text) + (reader.finish() if out.finished else [])):
+                yield event
+        if last is None:
+            return
+        for event in blocks.close():
+            yield event
+        reason, sequence = stop_reason(last.finish_reason, last.stop_reason)
+        reason = "tool_use" if blocks.num_calls and reason == "end_turn" else reason
+        yield Event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                     "usage": usage(call.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
+                    "message_delta")
+        yield Event({"type": "message_stop"}, "message_stop")
+
+    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        if call.generation.tool_parser is not None:
+            async for event in self._tool_stream(call, outputs):
+                yield event
+            return
+        # message_start waits for the first output: only then is the prefix-cache hit (its usage) known. The
+        # server has already sent a keep-alive comment at admission, so the stream is not silent meanwhile.
+        last = None
+        async for out in outputs:
+            if last is None:
+                start = self._message(call, [], None, None, 0, out.num_cached_tokens)
+                yield Event({"type": "message_start", "message": start}, "message_start")
+                yield Event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                            "content_block_start")
+                yield Event({"type": "ping"}, "ping")
             last = out
             if out.new_text:
                 delta = {"type": "text_delta", "text": out.new_text}
@@ -144,13 +222,17 @@ class Messages(Endpoint):
             return
         yield Event({"type": "content_block_stop", "index": 0}, "content_block_stop")
         reason, sequence = stop_reason(last.finish_reason, last.stop_reason)
+        # cumulative usage: newer SDKs take the input counts from here too, older ones only output_tokens
         yield Event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                     "usage": {"output_tokens": last.num_output_tokens}}, "message_delta")
+                     "usage": usage(call.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
+                    "message_delta")
         yield Event({"type": "message_stop"}, "message_stop")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**ask.sampling_fields(), "messages": [{"role": "user", "content": ask.prompt}],
-                "max_tokens": ask.max_tokens}
+        body = {**ask.sampling_fields(), "messages": ask.messages(), "max_tokens": ask.max_tokens}
+        if ask.json_schema is not None:
+            body["output_config"] = {"format": {"type": "json_schema", "schema": ask.json_schema}}
+        return body
 
     def client_answer(self) -> MessageAnswer:
         return MessageAnswer()
@@ -162,18 +244,23 @@ class MessageAnswer(ClientAnswer):
     def unary(self, body: dict[str, Any]) -> None:
         self.parts.append("".join(block.get("text", "") for block in body["content"]))
         self._stopped(body["stop_reason"], body["usage"]["output_tokens"])
-        self.prompt_tokens = body["usage"]["input_tokens"]
+        self._input(body["usage"])
 
     def event(self, data: Any) -> None:
         kind = data["type"]
         if kind == "error":
             raise ClientError(data["error"]["message"])
         if kind == "message_start":
-            self.prompt_tokens = data["message"]["usage"]["input_tokens"]
+            self._input(data["message"]["usage"])
         elif kind == "content_block_delta":
             self.parts.append(data["delta"].get("text", ""))
         elif kind == "message_delta":
             self._stopped(data["delta"]["stop_reason"], data["usage"]["output_tokens"])  # cumulative
+
+    def _input(self, usage: dict[str, Any]) -> None:
+        # Anthropic's input_tokens leaves out the cached ones: the prompt is the sum of the three
+        self.cached_tokens = usage.get("cache_read_input_tokens") or 0
+        self.prompt_tokens = usage["input_tokens"] + self.cached_tokens + (usage.get("cache_creation_input_tokens") or 0)
 
     def _stopped(self, stop_reason: str, output_tokens: int) -> None:
         self.finish_reason = "length" if stop_reason == "max_tokens" else "stop"

@@ -39,10 +39,10 @@ def make_retrieve(ctx: RouteContext) -> Callable[..., Any]:
 
     async def retrieve_model(model_id: FromPath[str]) -> dict[str, Any]:
         """The served model's card; any other id is not found."""
-        if model_id != ctx.model.name:
+        if model_id != ctx.model.name and model_id not in ctx.model.aliases:
             raise RequestError(f"model {model_id!r} does not exist; this server serves {ctx.model.name!r}",
                                "model", status=404, code="model_not_found")
-        return dict(ctx.card)
+        return {**ctx.card, "id": model_id}  # an alias is reported as the name asked for
 
     return retrieve_model
 

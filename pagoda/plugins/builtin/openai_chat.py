@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.builtin import openai_tools as ot
 from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
 from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
+from pagoda.plugins.tools import ArgumentsDelta, CallStarted, TextDelta, ToolEvent, parse_arguments, tool_use
 
 
 class ContentPart(msgspec.Struct):
@@ -20,26 +22,76 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's past calls
+
+    def __post_init__(self) -> None:
+        # As OpenAI refuses them: only an assistant message may go without content; a tool result names its call.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
 
 
 class ChatRequest(oc.SamplingFields, kw_only=True):
+    # Known fields of OpenAI's body that pagoda does not serve -> the values that change nothing (None/false too).
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (),
+        "reasoning_effort": (), "verbosity": (), "functions": (), "function_call": ("none",),
+        "service_tier": ("auto", "default"), "store": (),
+    }
+
     messages: list[ChatMessage]
     max_tokens: oc.PositiveInt | None = None
     max_completion_tokens: oc.PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: oc.TopLogprobs | None = None
+    tools: list[ot.ChatTool] | None = None
+    tool_choice: ot.ChoiceMode | ot.ChatNamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ot.ResponseFormat | None = None
 
 
-def template_messages(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, str]]:
-    """Messages as the chat template reads them: a role and plain-text content."""
+def template_messages(messages: list[ChatMessage], field: str = "messages") -> list[dict[str, Any]]:
+    """Messages as the chat template reads them: a role and plain-text content; an assistant's calls as
+    `tool_calls` (arguments parsed), a tool result with its `tool_call_id`, which must name an earlier call."""
     if not messages:
         raise RequestError(f"{field} must hold at least one message", field)
-    return [oc.template_message(m.role, join_text_parts(m.content, f"{field}[{i}].content"))
-            for i, m in enumerate(messages)]
+    out: list[dict[str, Any]] = []
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = oc.template_message(m.role, join_text_parts(m.content, f"{field}[{i}].content"))
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name,
+                    "arguments": parse_arguments(c.function.arguments, f"{field}[{i}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(m.tool_calls)]
+            called.update(c.id for c in m.tool_calls)
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise RequestError(f"{field}[{i}]: a tool message needs tool_call_id", f"{field}[{i}].tool_call_id")
+            if m.tool_call_id not in called:
+                raise RequestError(f"{field}[{i}].tool_call_id {m.tool_call_id!r} names no earlier assistant tool call",
+                                   f"{field}[{i}].tool_call_id")
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 class ChatCompletions(Endpoint):
@@ -53,14 +105,20 @@ class ChatCompletions(Endpoint):
     def prepare(self, body: ChatRequest, ctx: ServeContext) -> Generation:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
-        ids = ctx.encode_chat(template_messages(body.messages))
+        tools = ot.chat_tools(body.tools)
+        choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
+        constraint, parser, listed = tool_use(ctx, tools, choice, ot.response_format(body.response_format),
+                                              "response_format")
+        ids = ctx.encode_chat(template_messages(body.messages), listed)
         max_tokens = body.max_completion_tokens or body.max_tokens or ctx.default_max_tokens(len(ids))
         params = make_sampling_params(
+            limits=ctx.limits,
             max_tokens=max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            constraint=constraint,
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream)
+        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
 
     def _logprobs(self, call: Call, tokens) -> dict[str, Any] | None:
         return {"content": oc.chat_logprobs(call, tokens)} if call.body.logprobs else None
@@ -78,7 +136,38 @@ class ChatCompletions(Endpoint):
             chunk["usage"] = None
         return chunk
 
+    def _message(self, call: Call, text: str) -> tuple[dict[str, Any], bool]:
+        """The assistant message for the answer's text, and whether it holds tool calls."""
+        parser = call.generation.tool_parser
+        if parser is None:
+            return {"role": "assistant", "content": text, "refusal": None}, False
+        parsed = parser.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None, "refusal": None}
+        if parsed.calls:
+            message["tool_calls"] = [{"id": ot.call_id(call, i), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for i, c in enumerate(parsed.calls)]
+        elif message["content"] is None:
+            message["content"] = ""
+        return message, bool(parsed.calls)
+
+    def _finish_reason(self, reason, called: bool) -> str:
+        text_reason = oc.finish_reason(reason)
+        return "tool_calls" if called and text_reason == "stop" else text_reason
+
+    def _delta(self, call: Call, event: ToolEvent) -> dict[str, Any] | None:
+        """A stream delta for one parser event: content, a call's first delta (id, name), an arguments fragment."""
+        if isinstance(event, TextDelta):
+            return {"content": event.text}
+        if isinstance(event, CallStarted):
+            return {"tool_calls": [{"index": event.index, "id": ot.call_id(call, event.index), "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        if isinstance(event, ArgumentsDelta):
+            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+        return None
+
     def render(self, call: Call, completion: Completion) -> dict[str, Any]:
+        message, called = self._message(call, completion.text)
         return {
             "id": call.id,
             "object": "chat.completion",
@@ -86,29 +175,45 @@ class ChatCompletions(Endpoint):
             "model": call.model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": completion.text, "refusal": None},
-                "finish_reason": oc.finish_reason(completion.finish_reason),
+                "message": message,
+                "finish_reason": self._finish_reason(completion.finish_reason, called),
                 "logprobs": self._logprobs(call, completion.logprobs),
             }],
-            "usage": oc.usage(completion.num_prompt_tokens, completion.num_output_tokens),
+            "usage": oc.usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
         }
 
     async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
         yield Event(self._chunk(call, {"role": "assistant", "content": ""}, None))
+        parser = call.generation.tool_parser
+        reader = parser.stream() if parser is not None else None
         last = None
         async for out in outputs:
             last = out
-            if out.new_text or out.logprobs:
-                yield Event(self._chunk(call, {"content": out.new_text}, None, self._logprobs(call, out.logprobs)))
+            if reader is None:
+                if out.new_text or out.logprobs:
+                    yield Event(self._chunk(call, {"content": out.new_text}, None, self._logprobs(call, out.logprobs)))
+                continue
+            logprobs = self._logprobs(call, out.logprobs) if out.logprobs else None
+            for event in reader.feed(out.new_text) + (reader.finish() if out.finished else []):
+                delta = self._delta(call, event)
+                if delta is not None:
+                    yield Event(self._chunk(call, delta, None, logprobs))
+                    logprobs = None  # a token's logprobs ride on the first delta it makes
+            if logprobs is not None:
+                yield Event(self._chunk(call, {"content": ""}, None, logprobs))
         if last is None:
             return
-        yield Event(self._chunk(call, {}, oc.finish_reason(last.finish_reason)))
+        called = reader is not None and reader.num_calls > 0
+        yield Event(self._chunk(call, {}, self._finish_reason(last.finish_reason, called)))
         if call.body.include_usage:
             yield Event(oc.usage_chunk(self._chunk(call, {}, None), last))
         yield Event("[DONE]")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**oc.client_fields(ask), "messages": [{"role": "user", "content": ask.prompt}]}
+        body = {**oc.client_fields(ask), "messages": ask.messages()}
+        if ask.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ask.json_schema}}
+        return body
 
     def client_answer(self) -> ChatAnswer:
         return ChatAnswer()

@@ -14,7 +14,7 @@ from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, Call, ErrorShape, Event, RequestError
+from pagoda.plugins.protocol import ApiError, CacheSalt, Call, ErrorShape, Event, RequestError
 from pagoda.plugins.route import ServedModel
 
 # Value ranges are declared on the fields, so a bad value is refused while decoding, naming the field.
@@ -26,7 +26,7 @@ TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
-Stop = str | Annotated[list[str], msgspec.Meta(max_length=16)]  # non-empty: SamplingParams checks it
+Stop = str | list[str]  # non-empty strings: SamplingParams checks them; how many and how long: RequestLimits
 
 
 class StreamOptions(msgspec.Struct):
@@ -41,12 +41,13 @@ class Sampling(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     stream: bool = False
     stop: Stop | None = None  # an extension on /v1/responses
-    seed: int | None = None  # likewise
+    seed: int | None = None  # likewise; a 64-bit integer, signed or not (SamplingParams checks the range)
     # Extensions (as vLLM accepts them):
     top_k: TopK = 0  # 0 or -1 = off
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
+    cache_salt: CacheSalt | None = None  # not sampling: the prefix cache's key (Generation.cache_salt)
 
     def sampling_fields(self) -> dict[str, Any]:
         """These fields as SamplingParams keywords (a None takes SamplingParams' default)."""
@@ -64,6 +65,10 @@ class SamplingFields(Sampling, kw_only=True):
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     user: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
 
     def sampling_fields(self) -> dict[str, Any]:
         check_n(self.n)
@@ -101,17 +106,20 @@ def finish_reason(reason: FinishReason) -> str:
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """Completions and chat usage; `prompt_tokens` counts cached tokens too, as OpenAI's does."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
 def usage_chunk(chunk: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
     """The stream's last chunk under include_usage: no choices, the request's usage."""
-    return {**chunk, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens)}
+    return {**chunk, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens,
+                                                    last.num_cached_tokens)}
 
 
 class OpenAIErrors(ErrorShape):
@@ -203,8 +211,9 @@ class ChoicesAnswer(ClientAnswer):
         if data.get("usage"):
             self._usage(data["usage"])
 
-    def _usage(self, usage: dict[str, int]) -> None:
+    def _usage(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens, self.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _finite(value: float | None) -> float:

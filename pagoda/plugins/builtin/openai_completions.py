@@ -7,6 +7,7 @@ from typing import Any
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.builtin import openai_tools as ot
 from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
@@ -21,6 +22,12 @@ class CompletionRequest(oc.SamplingFields, kw_only=True):
     echo: bool = False
     best_of: oc.PositiveInt | None = None
     suffix: str | None = None
+    # Structured output (extensions, as vLLM names them; at most one): docs/protocols/openai-completions.md
+    response_format: ot.ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[int]:
@@ -53,11 +60,13 @@ class Completions(Endpoint):
             raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         ids = prompt_ids(body.prompt, ctx)
         params = make_sampling_params(
+            limits=ctx.limits,
             max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
             logprobs=body.logprobs,
+            constraint=ot.guided(body),
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream)
+        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt)
 
     def _echo(self, call: Call) -> str:
         if not call.body.echo:
@@ -85,7 +94,8 @@ class Completions(Endpoint):
         echo = self._echo(call)
         body = self._chunk(call, echo + completion.text, oc.finish_reason(completion.finish_reason),
                            self._logprobs(call, completion.logprobs, len(echo)))
-        body["usage"] = oc.usage(completion.num_prompt_tokens, completion.num_output_tokens)
+        body["usage"] = oc.usage(completion.num_prompt_tokens, completion.num_output_tokens,
+                                 completion.num_cached_tokens)
         return body
 
     async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
@@ -106,7 +116,10 @@ class Completions(Endpoint):
         yield Event("[DONE]")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**oc.client_fields(ask), "prompt": ask.prompt}
+        body = {**oc.client_fields(ask), "prompt": ask.flat_prompt}
+        if ask.json_schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ask.json_schema}}
+        return body
 
     def client_answer(self) -> CompletionAnswer:
         return CompletionAnswer()

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin import openai_common as oc
+from pagoda.plugins.builtin import openai_tools as ot
+from pagoda.plugins.builtin.openai_responses_tools import OutputItems, input_message
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, Event
 from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
+from pagoda.plugins.tools import tool_use
 
 
 class InputContent(msgspec.Struct):
@@ -34,25 +37,53 @@ class InputItem(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant"] = "user"
     content: str | list[InputContent] | None = None
     type: str = "message"
+    # function_call and function_call_output items:
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputContent] | None = None
+    id: str | None = None
+    status: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type == "message" and self.content is None:
+            raise ValueError("a message item needs content")
 
 
 class ResponsesRequest(oc.Sampling, kw_only=True):
-    input: str | list[InputItem]
+    # Known fields of OpenAI's body that pagoda does not serve -> the values that change nothing (None/false too).
+    unsupported_fields: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "previous_response_id": (), "conversation": (), "background": (), "reasoning": (), "prompt": (),
+        "include": ([],), "truncation": ("disabled",), "context_management": (), "store": (),
+        "service_tier": ("auto", "default"),
+    }
+
+    input: Annotated[str, msgspec.Meta(min_length=1)] | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
     instructions: str | None = None
     max_output_tokens: oc.PositiveInt | None = None
     top_logprobs: oc.TopLogprobs | None = None
-    previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    text: ot.TextConfig | None = None
+    tools: list[ot.ResponsesTool] | None = None
+    tool_choice: ot.ChoiceMode | ot.ResponsesNamedChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
-def conversation(body: ResponsesRequest) -> list[dict[str, str]]:
-    """The chat-template messages: instructions as the system message, then the input items."""
+def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat-template messages: instructions as the system message, then the input items (function calls
+    and their outputs as an assistant's tool_calls and tool messages)."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
     if not body.input:
         raise RequestError("input must hold at least one item", "input")
+    called: set[str] = set()
     for i, item in enumerate(body.input):
+        if item.type in ("function_call", "function_call_output"):
+            message = input_message(item, i, messages, called)
+            if message is not None:
+                messages.append(message)
+            continue
         if item.type != "message":
             raise RequestError(f"input[{i}]: only message items are supported, got type {item.type!r}",
                                f"input[{i}].type")
@@ -70,17 +101,19 @@ class Responses(Endpoint):
     errors = oc.OPENAI_ERRORS
 
     def prepare(self, body: ResponsesRequest, ctx: ServeContext) -> Generation:
-        if body.previous_response_id is not None:
-            raise RequestError("previous_response_id is not supported: responses are not stored",
-                               "previous_response_id")
-        ids = ctx.encode_chat(conversation(body))
+        tools = ot.responses_tools(body.tools)
+        choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
+        constraint, parser, listed = tool_use(ctx, tools, choice, ot.text_format(body.text), "text.format")
+        ids = ctx.encode_chat(conversation(body), listed)
         params = make_sampling_params(
             {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
+            limits=ctx.limits,
             max_tokens=body.max_output_tokens or ctx.default_max_tokens(len(ids)),
             logprobs=body.top_logprobs,
+            constraint=constraint,
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream)
+        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
 
     # -- shapes ----------------------------------------------------------
     def _message_id(self, call: Call) -> str:
@@ -111,18 +144,27 @@ class Responses(Endpoint):
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
-            "parallel_tool_calls": False,
-            "tool_choice": "auto",
-            "tools": [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "tool_choice": msgspec.to_builtins(body.tool_choice) if body.tool_choice is not None else "auto",
+            "tools": msgspec.to_builtins(body.tools or []),
             "metadata": body.metadata or {},
-            "text": {"format": {"type": "text"}},
+            "text": {"format": msgspec.to_builtins(body.text.format) if body.text and body.text.format
+                     else {"type": "text"}},
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut_off else None,
-            "usage": None if completion is None else _usage(completion.num_prompt_tokens, completion.num_output_tokens),
+            "usage": None if completion is None else _usage(completion.num_prompt_tokens, completion.num_output_tokens,
+                                                            completion.num_cached_tokens),
         }
 
     def _final(self, call: Call, completion: Completion) -> dict[str, Any]:
         status = "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
+        parser = call.generation.tool_parser
+        if parser is not None:  # the same items the stream builds, from the whole text at once
+            items = self._items(call, stream=False)
+            reader = parser.stream()
+            items.apply(reader.feed(completion.text) + reader.finish())
+            items.close(status)
+            return self._response(call, status, items.items, completion)
         part = self._part(completion.text, self._logprobs(call, completion.logprobs))
         return self._response(call, status, [self._message(call, status, [part])], completion)
 
@@ -135,7 +177,34 @@ class Responses(Endpoint):
         call.state["sequence_number"] = seq + 1
         return Event({"type": kind, "sequence_number": seq, **fields}, name=kind)
 
+    def _items(self, call: Call, stream: bool = True) -> OutputItems:
+        """The output items' builder; a unary body's makes no events (nor uses up sequence numbers)."""
+        emit = (lambda kind, **fields: self._event(call, kind, **fields)) if stream else (lambda kind, **_: Event(kind))
+        return OutputItems(call, emit, self._message_id(call))
+
+    async def _tool_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        """The stream of an answer read for tool calls: each output item opens when it begins."""
+        yield self._event(call, "response.created", response=self._response(call, "in_progress", []))
+        yield self._event(call, "response.in_progress", response=self._response(call, "in_progress", []))
+        items, reader = self._items(call), call.generation.tool_parser.stream()
+        seen: list[RequestOutput] = []
+        async for out in outputs:
+            seen.append(out)
+            for event in items.apply(reader.feed(out.new_text) + (reader.finish() if out.finished else [])):
+                yield event
+        if not seen:
+            return
+        completion = Completion.from_outputs(seen)
+        status = "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
+        for event in items.close(status):
+            yield event
+        yield self._event(call, "response.completed", response=self._response(call, status, items.items, completion))
+
     async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+        if call.generation.tool_parser is not None:
+            async for event in self._tool_stream(call, outputs):
+                yield event
+            return
         at = {"item_id": self._message_id(call), "output_index": 0, "content_index": 0}
         yield self._event(call, "response.created", response=self._response(call, "in_progress", []))
         yield self._event(call, "response.in_progress", response=self._response(call, "in_progress", []))
@@ -164,7 +233,13 @@ class Responses(Endpoint):
         return [self._event(call, "error", code=body["code"], message=body["message"], param=body["param"], error=body)]
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        return {**ask.sampling_fields(), "input": ask.prompt, "max_output_tokens": ask.max_tokens}
+        # a conversation's earlier turns go as input items, each turn's answer as an assistant message
+        turns = ask.messages()
+        prompt = ask.prompt if len(turns) == 1 else turns
+        body = {**ask.sampling_fields(), "input": prompt, "max_output_tokens": ask.max_tokens}
+        if ask.json_schema is not None:
+            body["text"] = {"format": {"type": "json_schema", "name": "answer", "schema": ask.json_schema}}
+        return body
 
     def client_answer(self) -> ResponseAnswer:
         return ResponseAnswer()
@@ -190,12 +265,14 @@ class ResponseAnswer(ClientAnswer):
         self.finish_reason = "length" if response["status"] == "incomplete" else "stop"
         self.prompt_tokens = response["usage"]["input_tokens"]
         self.output_tokens = response["usage"]["output_tokens"]
+        self.cached_tokens = (response["usage"].get("input_tokens_details") or {}).get("cached_tokens", 0)
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+def _usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """Responses usage; `input_tokens` counts cached tokens too, as OpenAI's does."""
     return {
         "input_tokens": num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": num_cached_tokens, "cache_write_tokens": 0},
         "output_tokens": num_output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_prompt_tokens + num_output_tokens,
