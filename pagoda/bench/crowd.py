@@ -11,7 +11,8 @@ import argparse
 import asyncio
 import json
 
-from pagoda.harness.acceptance import check_answers, check_pool_returned, default_model_crowd, run_crowd, run_solo
+from pagoda.harness.acceptance import check_answers, check_pool_returned, run_crowd, run_solo
+from pagoda.harness.crowds import default_model_crowd
 from pagoda.harness.live_server import live_server
 from pagoda.model.hub import resolve_model
 

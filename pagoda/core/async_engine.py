@@ -32,10 +32,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core.engine import Engine
+from pagoda.core.loop_channel import Command, Sink, post, refused, settle
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
@@ -55,47 +55,18 @@ class RequestAborted(RuntimeError):
     """The request was aborted by the server (e.g. at shutdown), not by its caller."""
 
 
-@dataclass
-class _Command:
-    """Work for the loop thread; `answer` (if any) gets its result or exception."""
-
-    fn: Callable[[], Any]
-    answer: concurrent.futures.Future[Any] | None = None
-
-    def run(self) -> None:
-        if self.answer is None:
-            self.fn()
-            return
-        if not self.answer.set_running_or_notify_cancel():
-            return  # the caller stopped waiting before the loop got to it
-        try:
-            result = self.fn()
-        except Exception as exc:  # AdmissionError, AuditError, ...: raised in the caller
-            self.answer.set_exception(exc)
-        else:
-            self.answer.set_result(result)
-
-
-class _Sink:
-    """Where the loop thread delivers one request's outputs: an asyncio queue on the caller's loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-
 class AsyncEngine:
     """Runs an `Engine` on a dedicated thread; `generate` streams each request's outputs."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: deque[_Command] = deque()  # guarded by _cond
+        self._commands: deque[Command] = deque()  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None  # why the loop died, if it did
         # Owned by the loop thread only:
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, Sink] = {}
         self._idle_waiters: list[concurrent.futures.Future[None]] = []
         self.num_wakeups = 0  # loop iterations; lets tests see that an idle loop sleeps
         # Written by the loop thread, read by any (a reference swap is atomic): its latest stats, and
@@ -137,7 +108,7 @@ class AsyncEngine:
         A failed model step raises GenerationError; a server-side abort raises RequestAborted.
         """
         request_id = request_id or uuid.uuid4().hex
-        sink = _Sink(asyncio.get_running_loop())
+        sink = Sink(asyncio.get_running_loop())
         prompt = list(prompt_token_ids)
         if sampling_params.constraint is not None:  # compiled on the grammar pool, never on the loop thread;
             # shielded: the compile may be shared with other requests, a caller leaving must not cancel it
@@ -162,10 +133,10 @@ class AsyncEngine:
                 yield item
         finally:
             # Every way out before the end (cancel, close, exception) aborts the request.
-            if not finished and not _refused(admitted):
+            if not finished and not refused(admitted):
                 self._submit_quietly(lambda: self._abort(request_id))
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink,
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink,
              keys: dict[str, str | None]) -> None:
         self.engine.add_request(request_id, prompt, params, **keys)  # raises for a request it refuses
         self._sinks[request_id] = sink
@@ -204,7 +175,7 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._idle_waiters.append(idle)
             else:
-                _settle(idle, None)
+                settle(idle, None)
 
         self._submit(park)
         await asyncio.wrap_future(idle)
@@ -214,7 +185,7 @@ class AsyncEngine:
 
     # -- talking to the loop thread ------------------------------------
     def _submit(self, fn: Callable[[], Any], *, answer: bool = False) -> concurrent.futures.Future[Any] | None:
-        command = _Command(fn, concurrent.futures.Future() if answer else None)
+        command = Command(fn, concurrent.futures.Future() if answer else None)
         with self._cond:
             if self._failure is not None:
                 raise EngineDeadError(f"the engine loop crashed: {self._failure!r}")
@@ -246,7 +217,7 @@ class AsyncEngine:
             error = EngineDeadError(f"the engine loop crashed: {exc!r}")
             for command in pending:
                 if command.answer is not None:
-                    _settle(command.answer, error, failed=True)
+                    settle(command.answer, error, failed=True)
             self._fail_everyone(error)
 
     def _turn(self) -> bool:
@@ -272,7 +243,7 @@ class AsyncEngine:
             self._deliver(outputs)
         if self._idle_waiters and not self.engine.has_unfinished():
             for waiter in self._idle_waiters:
-                _settle(waiter, None)
+                settle(waiter, None)
             self._idle_waiters.clear()
         return True
 
@@ -283,7 +254,7 @@ class AsyncEngine:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
                 items.append((sink, out))
-        _post(items)
+        post(items)
 
     def _shutdown(self) -> None:
         """Abort what is live so that its callers hear about it, then fail whoever still waits."""
@@ -297,42 +268,7 @@ class AsyncEngine:
 
     def _fail_everyone(self, error: BaseException) -> None:
         for waiter in self._idle_waiters:
-            _settle(waiter, error, failed=True)
+            settle(waiter, error, failed=True)
         self._idle_waiters.clear()
         sinks, self._sinks = self._sinks, {}
-        _post([(sink, error) for sink in sinks.values()])
-
-
-def _post(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
-    """Put items on their sinks' queues: one thread hop per event loop, not per item."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput | BaseException]]] = {}
-    for sink, item in items:
-        by_loop.setdefault(sink.loop, []).append((sink, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # that event loop is closed: its callers are gone
-            pass
-
-
-def _put_all(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
-    for sink, item in items:
-        sink.queue.put_nowait(item)
-
-
-def _settle(future: concurrent.futures.Future[Any], value: Any, *, failed: bool = False) -> None:
-    """Resolve a future the caller may have cancelled meanwhile."""
-    if future.done():
-        return
-    try:
-        if failed:
-            future.set_exception(value)
-        else:
-            future.set_result(value)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def _refused(admitted: concurrent.futures.Future[None]) -> bool:
-    """True when the engine refused the request (so there is nothing to abort)."""
-    return admitted.done() and not admitted.cancelled() and admitted.exception() is not None
+        post([(sink, error) for sink in sinks.values()])

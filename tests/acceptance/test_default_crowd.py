@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from pagoda.harness.acceptance import check_answers, check_pool_returned, check_survivors, default_model_crowd, run_crowd, run_solo
+from pagoda.harness.acceptance import check_answers, check_pool_returned, check_survivors, run_crowd, run_solo
+from pagoda.harness.crowds import default_model_crowd
 from pagoda.harness.live_server import live_server
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,8 @@ from pagoda.harness.acceptance import (
     predict_in_simulator,
     run_crowd,
     run_solo,
-    tiny_crowd,
-    with_hangups,
 )
+from pagoda.harness.crowds import tiny_crowd, with_hangups
 from pagoda.harness.live_server import live_server
 from pagoda.core.engine_config import EngineConfig
 
