@@ -1,4 +1,4 @@
-"""The `pagoda` command line: one module per command under `pagoda.api.commands`."""
+"""The `pagoda` command line: one module per command under `pagoda.cli`."""
 
 from __future__ import annotations
 
