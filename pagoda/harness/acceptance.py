@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import httpx
 
 from pagoda.harness.crowd_client import ClientOutcome, Endpoints, check_protocols, run_client
@@ -219,6 +221,16 @@ async def check_pool_returned(base_url: str, audit: Callable[[], Awaitable[None]
     if (stats["running"], stats["waiting"]) != (0, 0) or stats["kv_blocks_free"] != stats["kv_blocks_total"]:
         raise AssertionError(f"the pool did not come back: {stats}")
     return stats
+
+
+async def compare_solo_and_crowd(live: Any, plans: list[ClientPlan]) -> tuple[dict[str, ClientOutcome], CrowdReport, dict]:
+    """The one comparison on a live server (`harness.live_server.LiveServer`): every plan alone, then all
+    together, then the pool checked: (solo outcomes, the crowd's report, the final /health)."""
+    solo = await run_solo(live.url, plans, live.model_name, live.endpoints)
+    crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
+    await asyncio.wait_for(live.async_engine.wait_until_idle(), 60)
+    stats = await check_pool_returned(live.url, live.async_engine.audit)
+    return solo, crowd, stats
 
 
 # -- the live run replayed in the simulator --------------------------------------

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from pagoda.harness.acceptance import check_answers, check_pool_returned, run_crowd, run_solo
+from pagoda.harness.acceptance import check_answers, compare_solo_and_crowd
 from pagoda.harness.constrained_crowds import PROTOCOLS, check_constrained, constrained_crowd
 from pagoda.harness.live_server import live_server
 
@@ -20,21 +20,15 @@ pytestmark = [
 def constrained_run(default_model_dir):
     with live_server(default_model_dir, "smollm2", num_blocks=10, block_size=16, max_running=4,
                      max_batched_tokens=256, max_model_len=2048) as live:
-        async def run():
-            plans = constrained_crowd()
-            solo = await run_solo(live.url, plans, live.model_name, live.endpoints)
-            crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
-            await asyncio.wait_for(live.async_engine.wait_until_idle(), 60)
-            stats = await check_pool_returned(live.url, live.async_engine.audit)
-            return plans, solo, crowd, stats
-
-        yield asyncio.run(run())
+        plans = constrained_crowd()
+        yield (plans, *asyncio.run(compare_solo_and_crowd(live, plans)))
 
 
 def test_constrained_clients_match_solo_and_validate_on_every_protocol(constrained_run):
     plans, solo, crowd, stats = constrained_run
     print(crowd.summary(), {cid: o.text for cid, o in crowd.outcomes.items()})
     assert all(o.status == "completed" for o in crowd.outcomes.values()), crowd.outcomes
+    assert crowd.peak_running > 1 and crowd.preemptions > 0 and crowd.recomputed_tokens > 0  # it was hard
     assert check_answers(solo, crowd) == len(plans)
     assert check_constrained(plans, solo) == len(PROTOCOLS)  # the solo answers validate too, on their own
     assert check_constrained(plans, crowd.outcomes) == len(PROTOCOLS)

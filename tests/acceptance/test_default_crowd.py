@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from pagoda.harness.acceptance import check_answers, check_pool_returned, check_survivors, run_crowd, run_solo
+from pagoda.harness.acceptance import check_answers, check_survivors, compare_solo_and_crowd
 from pagoda.harness.crowds import default_model_crowd
 from pagoda.harness.live_server import live_server
 
@@ -20,15 +20,8 @@ pytestmark = pytest.mark.slow
 def default_run(default_model_dir):
     with live_server(default_model_dir, "smollm2", num_blocks=8, block_size=16, max_running=4,
                      max_batched_tokens=256, max_model_len=2048) as live:
-        async def run():
-            plans = default_model_crowd()
-            solo = await run_solo(live.url, plans, live.model_name, live.endpoints)
-            crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
-            await asyncio.wait_for(live.async_engine.wait_until_idle(), 60)
-            stats = await check_pool_returned(live.url, live.async_engine.audit)
-            return plans, solo, crowd, stats
-
-        yield asyncio.run(run())
+        plans = default_model_crowd()
+        yield (plans, *asyncio.run(compare_solo_and_crowd(live, plans)))
 
 
 def test_default_model_crowd_is_byte_identical_to_solo_under_preemption(default_run):
