@@ -26,6 +26,7 @@ from pagoda.core.outputs import RequestOutput, SampledToken
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.tool_parsers import HERMES
 from pagoda.plugins.client import ClientAnswer, line_data
+from pagoda.plugins.choices import fan_out
 from pagoda.plugins.protocol import Call, Completion, Endpoint, Event, ServeContext
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
 
@@ -193,9 +194,9 @@ def prepared(endpoint: Endpoint, body: dict[str, Any], ctx: ServeContext | None 
     """The Call the renderers see for this body: decoded, prepared, with an id and a model name."""
     ctx = ctx or context()
     struct = decode(endpoint, body)
-    generation = endpoint.prepare(struct, ctx)
-    return Call(id=endpoint.new_id(), created=1700000000, model=ctx.model_name, body=struct, generation=generation,
-                tokenizer=ctx.tokenizer)
+    choices = fan_out(endpoint.prepare(struct, ctx))  # one Generation per choice, as the server makes them
+    return Call(id=endpoint.new_id(), created=1700000000, model=ctx.model_name, body=struct, generation=choices[0],
+                tokenizer=ctx.tokenizer, choices=choices)
 
 
 def outputs(call: Call, texts: Sequence[str], reason: FinishReason = FinishReason.LENGTH,

@@ -3,7 +3,7 @@
     handler   body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
               -> endpoint.prepare -> a GenerationResponse; nothing has reached the engine yet
     exchange  (the response's ASGI call) the job, a task consuming engine.generate's outputs
-              through metrics.observe, raced against the client leaving:
+              through metrics.observe (one engine request per choice), raced against the client leaving:
       unary   the whole generation -> endpoint.render -> one JSON write
       stream  admission -> 200, a keep-alive comment -> endpoint.render_stream's events as they come
 
@@ -49,7 +49,8 @@ from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.outputs import RequestOutput
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.disconnect import DisconnectPolicy
-from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, RequestError, ServeContext
+from pagoda.plugins.choices import fan_out
+from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, Generation, RequestError, ServeContext
 
 logger = logging.getLogger("pagoda.api")
 
@@ -92,13 +93,15 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
         return error_response(endpoint.errors, ApiError(503, unavailable[1]))
     try:
         model = served_model(services, getattr(body, "model", None))
-        generation = endpoint.prepare(body, services.context)
-        generation.sampling_params = with_generation_defaults(body, generation.sampling_params,
-                                                              services.generation_defaults)
+        prepared = endpoint.prepare(body, services.context)
+        for generation in [prepared] if isinstance(prepared, Generation) else prepared:
+            generation.sampling_params = with_generation_defaults(body, generation.sampling_params,
+                                                                  services.generation_defaults)
+        choices = fan_out(prepared)  # one engine request per choice, in the response's index order
     except Exception as exc:
         return error_response(endpoint.errors, api_error(exc))
     call = Call(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
-                generation=generation, tokenizer=services.context.tokenizer)
+                generation=choices[0], tokenizer=services.context.tokenizer, choices=choices)
     return GenerationResponse(Exchange(endpoint, services, call, request))
 
 
@@ -165,16 +168,27 @@ class Exchange:
 
     def _start_job(self, watch: ClientWatch,
                    admitted: asyncio.Event) -> tuple[asyncio.Future[Any], asyncio.Queue[Any]]:
-        """The task consuming the engine's outputs (and, for a stream, the mailbox it fills)."""
-        generation = self.call.generation
+        """The task consuming the engine's outputs (and, for a stream, the mailbox it fills).
+
+        One job for all of a request's choices (one engine request each): it is admitted once every choice
+        is, and its cancellation, or one choice failing, ends them all."""
+        choices = self.call.choices
         tenant = key_tenant(self.request, self.services.api_key)
-        outputs = self.services.metrics.observe(
-            self.services.engine.generate(generation.prompt_token_ids, generation.sampling_params, self.call.id,
-                                          on_admitted=admitted.set, cache_salt=generation.cache_salt,
-                                          tenant=tenant), self.record)
+        waiting = [len(choices)]
+
+        def on_admitted() -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                admitted.set()
+
+        outputs = [self.services.metrics.observe(
+            self.services.engine.generate(g.prompt_token_ids, g.sampling_params,
+                                          self.call.id if len(choices) == 1 else f"{self.call.id}-{k}",
+                                          on_admitted=on_admitted, cache_salt=g.cache_salt, tenant=tenant),
+            self.record) for k, g in enumerate(choices)]
         mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
-        if not generation.stream:
-            return asyncio.ensure_future(_collect(outputs)), mailbox
+        if not self.call.generation.stream:
+            return asyncio.ensure_future(_collect_all(outputs)), mailbox
         job = asyncio.ensure_future(self._pump(outputs, admitted, mailbox))
         job.add_done_callback(lambda _: mailbox.put_nowait(END))
         watch.on_gone(lambda: mailbox.put_nowait(GONE))
@@ -195,9 +209,9 @@ class Exchange:
                 raise
             await self._answer(error_response(self.endpoint.errors, api_error(exc)), writer)
 
-    async def _unary(self, job: asyncio.Future[Completion], watch: ClientWatch, writer: ResponseWriter) -> None:
+    async def _unary(self, job: asyncio.Future[list[Completion]], watch: ClientWatch, writer: ResponseWriter) -> None:
         await watch.first(job)
-        body = self.endpoint.render(self.call, job.result())  # the job's exception (a refusal) is raised here
+        body = self.endpoint.render_choices(self.call, job.result())  # the job's exception (a refusal) is raised here
         await self._answer(Response(body, status_code=200), writer)
 
     async def _stream(self, job: asyncio.Future[None], admitted: asyncio.Event, mailbox: asyncio.Queue[Any],
@@ -212,13 +226,15 @@ class Exchange:
             raise RuntimeError("the stream's job ended before its request was admitted")
         await writer.stream(self.endpoint.stream_format, mailbox)
 
-    async def _pump(self, outputs: AsyncIterator[RequestOutput], admitted: asyncio.Event,
+    async def _pump(self, outputs: list[AsyncIterator[RequestOutput]], admitted: asyncio.Event,
                     mailbox: asyncio.Queue[Any]) -> None:
-        """A stream's job: render the outputs as encoded events into the mailbox, in order."""
+        """A stream's job: render the outputs (one stream per choice) as encoded events into the mailbox, in order."""
         encode = ENCODERS[self.endpoint.stream_format]
-        events = self.endpoint.render_stream(self.call, outputs)
+        events = self.endpoint.render_stream_choices(self.call, outputs)
         try:
-            async with contextlib.aclosing(outputs):
+            async with contextlib.AsyncExitStack() as closing:
+                for out in outputs:
+                    await closing.enter_async_context(contextlib.aclosing(out))
                 try:
                     async for event in events:
                         mailbox.put_nowait(encode(event))
@@ -255,7 +271,18 @@ class Exchange:
                 await writer.body(b"", more=False)
 
 
+async def _collect_all(outputs: list[AsyncIterator[RequestOutput]]) -> list[Completion]:
+    """A unary request's job: every choice's whole generation; the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(_collect(out)) for out in outputs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
-    """A unary request's job: the whole generation."""
+    """One choice's whole generation."""
     async with contextlib.aclosing(outputs):
         return Completion.from_outputs([out async for out in outputs])

@@ -4,7 +4,8 @@ A protocol endpoint is one HTTP route (say POST /v1/chat/completions). It
 declares the msgspec Struct its JSON body decodes into, three steps, and the
 error shape of its protocol family:
 
-    prepare(body, ctx)            -> Generation    the engine request (prompt ids, sampling params)
+    prepare(body, ctx)            -> Generation    the engine request (prompt ids, sampling params); or a list,
+                                                   one per prompt, each with `n` choices (pagoda.plugins.choices)
     render(call, completion)      -> dict          the unary response body
     render_stream(call, outputs)  -> Events        the stream, from the engine's outputs
     errors: ErrorShape                             error bodies and stream-error events, shared by a family
@@ -173,6 +174,7 @@ class Generation:
     stream: bool = False
     cache_salt: str | None = None  # the body's `cache_salt`: prefix-cache blocks are shared only under an equal one
     tool_parser: Any = None  # pagoda.plugins.tools.ToolParser: reads the answer's tool calls; None = plain text
+    n: int = 1  # choices sampled from this prompt (pagoda.plugins.choices.fan_out makes one engine request each)
 
 
 @dataclass
@@ -186,6 +188,8 @@ class Call:
     generation: Generation
     tokenizer: Any
     state: dict[str, Any] = field(default_factory=dict)  # the renderer's own per-request notes
+    index: int = 0  # the choice this call renders (a response's `choices[index]`)
+    choices: list[Generation] = field(default_factory=list)  # every choice's engine request, in index order
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -269,8 +273,8 @@ class Endpoint:
         """A fresh id for one request, with the protocol's prefix."""
         return f"{self.id_prefix}{secrets.token_hex(12)}"
 
-    def prepare(self, body: Any, ctx: ServeContext) -> Generation:
-        """Turn the decoded body into an engine request; raise RequestError naming a bad field."""
+    def prepare(self, body: Any, ctx: ServeContext) -> Generation | list[Generation]:
+        """Turn the decoded body into engine requests (one per prompt); raise RequestError naming a bad field."""
         raise NotImplementedError
 
     def render(self, call: Call, completion: Completion) -> dict[str, Any]:
@@ -280,6 +284,18 @@ class Endpoint:
     def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
         """The stream's events, produced while iterating the engine's outputs."""
         raise NotImplementedError
+
+    def render_choices(self, call: Call, completions: list[Completion]) -> dict[str, Any]:
+        """The unary body for several choices (one Completion each, in index order); one choice: `render`."""
+        if len(completions) != 1:
+            raise NotImplementedError(f"{self.name} renders one choice")
+        return self.render(call, completions[0])
+
+    def render_stream_choices(self, call: Call, outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+        """The stream of several choices (one engine stream each, in index order); one choice: `render_stream`."""
+        if len(outputs) != 1:
+            raise NotImplementedError(f"{self.name} streams one choice")
+        return self.render_stream(call, outputs[0])
 
     def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
         """Events that report a failure after the stream began: the family's, unless the call shapes them."""

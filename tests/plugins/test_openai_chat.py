@@ -47,7 +47,7 @@ def test_max_completion_tokens_wins_and_logprobs_map():
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"stop": ""}, "stop"),
 ])
 def test_refusals_name_the_field(fields, param):

@@ -81,7 +81,7 @@ def test_stop_strings_are_bounded_by_the_configured_limits(endpoint):
 
 def test_n_and_logit_bias_are_checked_once():
     with pytest.raises(RequestError) as info:
-        prepared(Completions(), {"model": "m", "prompt": "x", "n": 2})
+        prepared(Completions(), {"model": "m", "prompt": "x", "n": 129})
     assert info.value.param == "n"
     with pytest.raises(RequestError) as info:
         prepared(Completions(), {"model": "m", "prompt": "x", "logit_bias": {"a": 1}})

@@ -39,7 +39,8 @@ def test_no_max_tokens_is_what_fits():
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"), ({"n": 3}, "n"),
+    ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"n": 129}, "n"), ({"prompt": ["a"] * 65, "n": 2}, "n"), ({"n": 2, "seed": 2**64 - 1}, "seed"),
     ({"stop": [""]}, "stop"),
 ])
 def test_refusals_name_the_field(fields, param):

@@ -94,7 +94,7 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
     return out
 
 
-class ChatCompletions(Endpoint):
+class ChatCompletions(oc.Choices, Endpoint):
     name = "openai-chat"
     protocol = "chat"
     path = "/v1/chat/completions"
@@ -118,7 +118,7 @@ class ChatCompletions(Endpoint):
             constraint=constraint,
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
+        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n)
 
     def _logprobs(self, call: Call, tokens) -> dict[str, Any] | None:
         return {"content": oc.chat_logprobs(call, tokens)} if call.body.logprobs else None
@@ -130,7 +130,7 @@ class ChatCompletions(Endpoint):
             "object": "chat.completion.chunk",
             "created": call.created,
             "model": call.model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "choices": [{"index": call.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
         }
         if call.body.include_usage:
             chunk["usage"] = None
@@ -174,7 +174,7 @@ class ChatCompletions(Endpoint):
             "created": call.created,
             "model": call.model,
             "choices": [{
-                "index": 0,
+                "index": call.index,
                 "message": message,
                 "finish_reason": self._finish_reason(completion.finish_reason, called),
                 "logprobs": self._logprobs(call, completion.logprobs),

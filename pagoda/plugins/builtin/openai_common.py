@@ -3,7 +3,7 @@ and the client half's common parts (the request fields, reading `choices`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -14,7 +14,8 @@ from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.core.outputs import RequestOutput
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, CacheSalt, Call, ErrorShape, Event, RequestError
+from pagoda.plugins.choices import choice_call, merge
+from pagoda.plugins.protocol import ApiError, CacheSalt, Call, Completion, ErrorShape, Event, RequestError
 from pagoda.plugins.route import ServedModel
 
 # Value ranges are declared on the fields, so a bad value is refused while decoding, naming the field.
@@ -71,7 +72,6 @@ class SamplingFields(Sampling, kw_only=True):
             raise ValueError("stream_options is only allowed when stream is true")
 
     def sampling_fields(self) -> dict[str, Any]:
-        check_n(self.n)
         return dict(super().sampling_fields(), presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, logit_bias=logit_bias(self.logit_bias))
 
@@ -79,12 +79,6 @@ class SamplingFields(Sampling, kw_only=True):
     def include_usage(self) -> bool:
         """The stream ends with a chunk holding only the usage (stream_options.include_usage)."""
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-def check_n(n: int) -> None:
-    """One sequence per request: n > 1 is refused rather than half-supported."""
-    if n != 1:
-        raise RequestError("n must be 1: pagoda returns one choice per request; send n requests instead", "n")
 
 
 def logit_bias(raw: Mapping[str, float] | None) -> dict[int, float]:
@@ -114,6 +108,50 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
         "total_tokens": num_prompt_tokens + num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+
+
+def summed_usage(usages: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
+    """The usage of several choices (index order, n per prompt): each prompt counted once, every output."""
+    prompts = [u for k, u in enumerate(usages) if k % n == 0]
+    return usage(sum(u["prompt_tokens"] for u in prompts), sum(u["completion_tokens"] for u in usages),
+                 sum(u["prompt_tokens_details"]["cached_tokens"] for u in prompts))
+
+
+class Choices:
+    """Completions' and chat's several choices: each rendered as alone (with its `index`), then merged."""
+
+    def render_choices(self, call: Call, completions: list[Completion]) -> dict[str, Any]:
+        bodies = [self.render(choice_call(call, k), c) for k, c in enumerate(completions)]
+        return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
+                "usage": summed_usage([b["usage"] for b in bodies], call.body.n)}
+
+    async def render_stream_choices(self, call: Call,
+                                    outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+        if len(outputs) == 1:
+            async for event in self.render_stream(call, outputs[0]):
+                yield event
+            return
+        lasts: dict[int, RequestOutput] = {}
+        streams = [self.render_stream(choice_call(call, k), _noting(out, lasts, k)) for k, out in enumerate(outputs)]
+        # Each choice's stream ends with its own usage chunk and [DONE]: the request's come once, at the end.
+        chunk: dict[str, Any] = {}  # the last choice chunk: the usage chunk shares its id, object, created, model
+        async for event in merge(streams):
+            if event.data != "[DONE]" and not (isinstance(event.data, dict) and event.data.get("choices") == []):
+                chunk = event.data
+                yield event
+        if call.body.include_usage and len(lasts) == len(outputs):
+            usages = [usage(o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens)
+                      for _, o in sorted(lasts.items())]
+            yield Event({**chunk, "choices": [], "usage": summed_usage(usages, call.body.n)})
+        yield Event("[DONE]")
+
+
+async def _noting(outputs: AsyncIterator[RequestOutput], lasts: dict[int, RequestOutput],
+                  k: int) -> AsyncIterator[RequestOutput]:
+    """`outputs` passed through, the last one noted as choice k's (its usage)."""
+    async for out in outputs:
+        lasts[k] = out
+        yield out
 
 
 def usage_chunk(chunk: dict[str, Any], last: RequestOutput) -> dict[str, Any]:

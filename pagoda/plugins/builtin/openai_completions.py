@@ -30,20 +30,23 @@ class CompletionRequest(oc.SamplingFields, kw_only=True):
     guided_grammar: str | None = None
 
 
-def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[int]:
-    """The prompt's token ids (text is encoded, ids are taken as they are)."""
+def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[list[int]]:
+    """Each prompt's token ids, in order: a string, a list of token ids, or a list of those (text is encoded)."""
     if isinstance(prompt, str):
-        return ctx.encode(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt_ids(prompt[0], ctx)  # a batch of one
+        return [ctx.encode(prompt)]
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError("prompt: batches of several prompts are not supported; send one request each", "prompt")
-    raise RequestError("prompt must be a string, a list of token ids, or a list holding one of those", "prompt")
+        return [list(prompt)]
+    if prompt and all(isinstance(p, (str, list)) for p in prompt):
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, list) and not (p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+                raise RequestError(f"prompt[{i}] must be a string or a non-empty list of token ids", "prompt")
+            out.append(ctx.encode(p) if isinstance(p, str) else list(p))
+        return out
+    raise RequestError("prompt must be a string, a list of token ids, or a list of those", "prompt")
 
 
-class Completions(Endpoint):
+class Completions(oc.Choices, Endpoint):
     name = "openai-completions"
     protocol = "completions"
     path = "/v1/completions"
@@ -51,29 +54,32 @@ class Completions(Endpoint):
     id_prefix = "cmpl-"
     errors = oc.OPENAI_ERRORS
 
-    def prepare(self, body: CompletionRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: CompletionRequest, ctx: ServeContext) -> list[Generation]:
         if body.best_of not in (None, 1):
             raise RequestError("best_of must be 1", "best_of")
         if body.suffix:
             raise RequestError("suffix (insertion) is not supported", "suffix")
         if body.echo and body.logprobs is not None:
             raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-        ids = prompt_ids(body.prompt, ctx)
-        params = make_sampling_params(
-            limits=ctx.limits,
-            max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
-            logprobs=body.logprobs,
-            constraint=ot.guided(body),
-            **body.sampling_fields(),
-        )
-        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt)
+        constraint = ot.guided(body)
+        generations = []
+        for ids in prompt_ids(body.prompt, ctx):  # one engine request per prompt (and per choice: choices.fan_out)
+            params = make_sampling_params(
+                limits=ctx.limits,
+                max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
+                logprobs=body.logprobs,
+                constraint=constraint,
+                **body.sampling_fields(),
+            )
+            generations.append(Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n))
+        return generations
 
     def _echo(self, call: Call) -> str:
         if not call.body.echo:
             return ""
         prompt = call.body.prompt
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[call.index // call.body.n]  # this choice's prompt (index = prompt_i * n + j)
         return prompt if isinstance(prompt, str) else call.tokenizer.decode(call.generation.prompt_token_ids)
 
     def _logprobs(self, call: Call, tokens, offset: int) -> dict[str, Any] | None:
@@ -87,7 +93,7 @@ class Completions(Endpoint):
             "object": "text_completion",
             "created": call.created,
             "model": call.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "choices": [{"index": call.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
         }
 
     def render(self, call: Call, completion: Completion) -> dict[str, Any]:
