@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import RequestOutput, SampledToken
 from pagoda.core.request import FinishReason
-from pagoda.core.outputs import SampledToken
 from pagoda.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
