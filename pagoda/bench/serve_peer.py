@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import httpx
 
+from pagoda.bench.serve_server import stop_child
+
 
 @contextmanager
 def peer_process(command: str, url: str, ready_timeout: float, poll_s: float = 0.25) -> Iterator[str]:
@@ -26,13 +28,7 @@ def peer_process(command: str, url: str, ready_timeout: float, poll_s: float = 0
         _wait_healthy(child, url.rstrip("/"), log, ready_timeout, poll_s)
         yield url
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(timeout=15)
-        log.close()
+        stop_child(child, log)
 
 
 def _wait_healthy(child: subprocess.Popen, url: str, log, timeout: float, poll_s: float) -> None:

@@ -48,13 +48,18 @@ def pagoda_subprocess(cmd: list[str], ready_timeout: float) -> Iterator[str]:
     try:
         yield _wait_ready(child, lines, log, ready_timeout)
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(timeout=15)
-        log.close()
+        stop_child(child, log)
+
+
+def stop_child(child: subprocess.Popen, log) -> None:
+    """Stop a server child (terminate, then kill if it lingers) and close its log."""
+    child.terminate()
+    try:
+        child.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(timeout=15)
+    log.close()
 
 
 def _wait_ready(child: subprocess.Popen, lines: queue.Queue, log, timeout: float) -> str:

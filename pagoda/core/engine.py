@@ -78,8 +78,7 @@ class Engine:
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already live")
-        self._check_prompt(prompt_token_ids)
-        self._check_token_params(sampling_params)
+        self._check_token_ids(prompt_token_ids, sampling_params)
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         request = Request(
@@ -98,21 +97,16 @@ class Engine:
         self.counters.prompt_tokens_total += request.num_prompt_tokens
         return request
 
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        # Token ids are checked against this model's vocabulary, which SamplingParams cannot know.
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.vocab_size
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
-
-    def _check_token_params(self, params: SamplingParams) -> None:
-        # Token ids in the params are checked against this model's vocabulary, which SamplingParams cannot know.
-        vocab = self.runner.vocab_size
-        for field, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
+        for field, ids in (("prompt", prompt_token_ids), ("logit_bias", params.logit_bias),
+                           ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
             if bad is not None:
-                raise ValueError(f"{field} token id {bad} is outside the vocabulary (0..{vocab - 1})")
+                raise ValueError(f"{field} token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
 
     def _admit(self, request: Request) -> None:
         """Into the scheduler; a constrained request waits in `compiling` until its grammar is ready."""
@@ -120,10 +114,8 @@ class Engine:
         if constraint is None:
             self.scheduler.add(request)
             return
-        if self.grammars is None:
-            raise ValueError(f"{constraint.field}: constrained output needs a tokenizer; this engine has none")
         self.scheduler.check_admissible(request)
-        future = self.grammars.submit(constraint)
+        future = self.compile_constraint(constraint)
         if not future.done():
             self.compiling.hold(request, future)
             return
