@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from pagoda.kernels.cpu_plan import TILE, AttentionPlan, KeyChunk, RowSet, round_up
+from pagoda.kernels.cpu_threads import few_threads, small_attention
 from pagoda.kernels.kv_cache import gather_blocks, write_kv
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.workspace import Workspace
@@ -75,8 +76,12 @@ def cpu_attention(
         denom = denom[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, 1)
         if isinstance(rs.tokens, slice):  # divide straight into out's rows, in its dtype
             torch.div(numer, denom, out=out[rs.tokens].view(n, qlen, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4))
-        else:
-            out[rs.tokens] = (numer / denom).permute(1, 2, 0, 3, 4).reshape(n * qlen, -1, dim).to(out.dtype)
+            continue
+        rows = (numer / denom).permute(1, 2, 0, 3, 4).reshape(n * qlen, -1, dim).to(out.dtype)  # [N * qlen, H, D]
+        if rs.real is None:
+            out[rs.tokens] = rows
+        else:  # short chunks padded to the longest: write the real tokens only
+            out.index_copy_(0, rs.real[1], rows.index_select(0, rs.real[0]))
     return out
 
 
@@ -90,7 +95,7 @@ def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Wo
     num_kv_heads, n, rows, dim = q.shape
     if len(rs.chunks) == 1 and rs.step >= rows:  # one fold: its result is the answer
         kc = rs.chunks[0]
-        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws)
+        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws, zero_keys=False)
         keys = min(kc.length, round_up(rs.last_pos[0] + 1, TILE))
         numer, denom, _ = _fold_chunk(q, rs, 0, rows, k[:, :keys], v[:, :keys], kc, ws)
         return numer, denom
@@ -98,7 +103,7 @@ def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Wo
     denom = ws.get("denom", (num_kv_heads, n, rows, 1))
     row_max = ws.get("row_max", (num_kv_heads, n, rows, 1))
     for kc in rs.chunks:
-        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws)
+        k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws, zero_keys=False)
         for i, lo in enumerate(range(0, rows, rs.step)):
             hi = min(rows, lo + rs.step)
             if rs.last_pos[i] < kc.start:
@@ -136,8 +141,8 @@ def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None) -> tuple[Te
     if rs.num_tokens > 1:  # causal: row r sees keys up to its position
         hidden = torch.arange(kc.start, kc.start + length)[None, None, :] > rs.row_pos[:, lo:hi, None]
         scores.masked_fill_(hidden, float("-inf"))
-    elif kc.end_bias is not None:  # a decode sees its whole context: only slots past its end are hidden
-        scores.add_(kc.end_bias[:, :, :length])  # s + 0 is s (up to the sign of a zero, which exp ignores)
+    elif kc.hidden is not None:  # a decode sees its whole context: only slots past its end are hidden
+        scores.masked_fill_(kc.hidden[:, :, :length], float("-inf"))  # also over the NaN of an unzeroed K slot
     new_max = scores.amax(dim=-1, keepdim=True)  # exact, order free; finite in chunk 0 (key 0 is visible)
     if row_max is not None:
         new_max = torch.maximum(row_max, new_max)
@@ -190,4 +195,5 @@ class CpuBackend:
         geometry = (k_cache.shape[1], k_cache.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[3])
         if self.plan is None or not self.plan.fits(meta, *geometry):
             self.plan = AttentionPlan.build(meta, *geometry)
-        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)
+        with few_threads(small_attention(self.plan.max_scores)):  # tiny products: no OpenMP wake-ups
+            return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)

@@ -11,9 +11,16 @@ The numerics fix three sizes (see the note in `cpu_attention.py`): keys are
 folded in chunks of CHUNK absolute positions, each a whole number of TILE-key
 tiles and of cache blocks; matmul row counts are padded to ROW_MULTIPLE.
 Work is grouped for speed only: decodes of similar length share one set of
-ops, and a prefill chunk is folded a few hundred rows at a time (`step`),
-each step reading only the tiles up to its last position. The grouping never
-changes the bits, which is why it can follow a memory budget.
+ops, so do short prefill chunks (each padded to the longest one's tokens: a
+padded token repeats its sequence's last one and is dropped), and a long
+prefill chunk is folded a few hundred rows at a time (`step`), each step
+reading only the tiles up to its last position. The grouping never changes
+the bits, which is why it can follow a memory budget: a row's scores are dots
+over head_dim, its P @ V products have the fixed reduction length TILE, and
+every matmul's row count is a multiple of ROW_MULTIPLE whatever the group
+(MKL then gives each row the same bits for any row or batch count). The plan
+also records the largest fold (`max_scores`), from which `cpu_threads.py`
+picks the attention's thread count.
 """
 
 from __future__ import annotations
@@ -44,22 +51,25 @@ class KeyChunk:
     length: int  # whole tiles and blocks
     blocks: Tensor  # [N * length // block_size] int64 cache blocks, sequence by sequence
     # slots at or past a sequence's end (None if there are none), which hold other data or nothing (NaN):
-    past_end: Tensor | None  # [P] int64 indices into the chunk's N * length slots, zeroed after the read
-    end_bias: Tensor | None  # [N, 1, length] float32: -inf at those slots, 0 elsewhere (a decode's mask)
+    past_end: Tensor | None  # [P] int64 indices into the chunk's N * length slots: V is zeroed there after the read
+    hidden: Tensor | None  # [N, 1, length] bool: True at those slots (a decode's mask, also over a NaN score)
 
 
 @dataclass
 class RowSet:
-    """Query rows folded together: decodes of similar length (rows = G heads each), or one chunk."""
+    """Query rows folded together: decodes of similar length (rows = G heads each), short chunks, or one chunk."""
 
     seqs: list[int]
-    tokens: Tensor | slice  # the rows' tokens in the flat token axis (a slice when contiguous)
-    num_tokens: int  # per sequence: 1 for decodes, the chunk's length otherwise
+    tokens: Tensor | slice  # [N * num_tokens] the rows' tokens in the flat token axis (a slice when contiguous)
+    num_tokens: int  # per sequence: 1 for decodes, the (longest) chunk's length otherwise
     rows: int  # per sequence: num_tokens * G padded to ROW_MULTIPLE
     row_pos: Tensor  # [N, rows] int64 position of each row; padded rows repeat the last one
     last_pos: list[int]  # per step of `step` rows: the largest position in it
     step: int
     chunks: list[KeyChunk]
+    # grouped chunks of unequal length: (src [K] indices into the N * num_tokens padded tokens, dst [K] their
+    # tokens in the flat axis) for the K real ones; None when every padded token is real
+    real: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -69,6 +79,7 @@ class AttentionPlan:
     meta: AttentionMetadata
     key: tuple  # cache geometry and module constants the plan was built for
     row_sets: list[RowSet]
+    max_scores: int  # score elements of the largest fold (one step of rows against one key chunk)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> AttentionPlan:
@@ -90,20 +101,27 @@ class AttentionPlan:
                 seqs, slice(tokens[0], tokens[0] + len(tokens)) if contiguous else torch.tensor(tokens),
                 1, rows, row_pos, [max(lens) - 1], rows, _key_chunks(meta, seqs, lens, chunk, block_size, unit),
             ))  # fmt: skip
+        # rows per step of a long chunk: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
+        step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
+        short, long = [], []
         for b, qlen in enumerate(meta.query_lens_cpu):
-            if qlen == 1:
-                continue
-            seq_len = seq_lens[b]
+            if qlen > 1:  # a chunk within one key chunk and one step is folded once: it can share the fold
+                fits = round_up(seq_lens[b], unit) <= chunk and round_up(qlen * group, ROW_MULTIPLE) <= step
+                (short if fits else long).append(b)
+        for seqs in _chunk_groups(short, meta.query_lens_cpu, seq_lens, group, unit, num_kv_heads, dim):
+            row_sets.append(_chunk_row_set(meta, seqs, group, chunk, block_size, unit))
+        for b in long:
+            qlen, seq_len = meta.query_lens_cpu[b], seq_lens[b]
             rows = round_up(qlen * group, ROW_MULTIPLE)
             pos = [min(seq_len - qlen + r // group, seq_len - 1) for r in range(rows)]  # padded rows: the last
-            # rows per step: bound the score tensor [KVH, rows, chunk] by SCORE_BUDGET
-            step = max(ROW_MULTIPLE, SCORE_BUDGET // (num_kv_heads * chunk) // ROW_MULTIPLE * ROW_MULTIPLE)
             last = [pos[min(rows, lo + step) - 1] for lo in range(0, rows, step)]
             row_sets.append(RowSet(
                 [b], slice(starts[b], starts[b] + qlen), qlen, rows, torch.tensor([pos]), last, step,
                 _key_chunks(meta, [b], [seq_len], chunk, block_size, unit),
             ))  # fmt: skip
-        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets)
+        max_scores = max((num_kv_heads * len(rs.seqs) * min(rs.rows, rs.step) * max(c.length for c in rs.chunks)
+                          for rs in row_sets), default=0)
+        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets, max_scores)
 
     def fits(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> bool:
         """Whether this plan was built for this step and this geometry."""
@@ -126,13 +144,53 @@ def _key_chunks(meta, seqs, lens, chunk, block_size, unit) -> list[KeyChunk]:
     chunks = []
     for start in range(0, end, chunk):
         length = min(chunk, end - start)
-        past_end = bias = None
+        past_end = None
         hidden = slots_past_end(lens, start, length)  # [N, length] or None
         if hidden is not None:
             past_end = hidden.flatten().nonzero().flatten()
-            bias = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[:, None, :]
-        chunks.append(KeyChunk(start, length, window_blocks(tables, start, length, block_size), past_end, bias))
+            hidden = hidden[:, None, :]
+        chunks.append(KeyChunk(start, length, window_blocks(tables, start, length, block_size), past_end, hidden))
     return chunks
+
+
+def _chunk_row_set(meta, seqs: list[int], group: int, chunk: int, block_size: int, unit: int) -> RowSet:
+    """One fold for short chunks of N sequences, each padded to the longest chunk's tokens (and rows)."""
+    qlens = [meta.query_lens_cpu[b] for b in seqs]
+    lens = [meta.seq_lens_cpu[b] for b in seqs]
+    starts = [meta.query_starts_cpu[b] for b in seqs]
+    qmax = max(qlens)
+    rows = round_up(qmax * group, ROW_MULTIPLE)
+    # row r of sequence n is its token r // G; tokens past its chunk repeat its last one (rows dropped)
+    pos = [[min(s - q + r // group, s - 1) for r in range(rows)] for q, s in zip(qlens, lens)]
+    tokens = [start + min(t, q - 1) for start, q in zip(starts, qlens) for t in range(qmax)]
+    real = None
+    if min(qlens) < qmax:  # padded tokens: only the real ones are written out
+        src = [n * qmax + t for n, q in enumerate(qlens) for t in range(q)]
+        real = (torch.tensor(src), torch.tensor([tokens[i] for i in src]))
+    contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+    return RowSet(
+        seqs, slice(tokens[0], tokens[0] + len(tokens)) if contiguous else torch.tensor(tokens), qmax, rows,
+        torch.tensor(pos), [max(lens) - 1], rows, _key_chunks(meta, seqs, lens, chunk, block_size, unit), real,
+    )  # fmt: skip
+
+
+def _chunk_groups(chunks: list[int], qlens: list[int], seq_lens: list[int], group: int, unit: int,
+                  num_kv_heads: int, dim: int) -> list[list[int]]:
+    """Split short chunks, sorted by length, into groups whose one fold fits SCORE_BUDGET and KV_BUDGET."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for b in sorted(chunks, key=lambda b: qlens[b]):  # stable: equal chunks stay in order, often contiguous
+        grown = current + [b]
+        rows = round_up(max(qlens[c] for c in grown) * group, ROW_MULTIPLE)  # the longest so far: sorted
+        keys = max(round_up(seq_lens[c], unit) for c in grown)
+        if current and (num_kv_heads * len(grown) * rows * keys > SCORE_BUDGET
+                        or len(grown) * keys * num_kv_heads * dim > KV_BUDGET):
+            groups.append(current)
+            grown = [b]
+        current = grown
+    if current:
+        groups.append(current)
+    return groups
 
 
 def _decode_groups(decodes: list[int], seq_lens: list[int], chunk: int, max_keys: int) -> list[list[int]]:

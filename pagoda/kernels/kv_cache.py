@@ -84,14 +84,16 @@ def slots_past_end(lens: list[int], start: int, length: int) -> Tensor | None:
 
 
 def gather_blocks(
-    k_cache: Tensor, v_cache: Tensor, blocks: Tensor, num_seqs: int, past_end: Tensor | None, workspace: Workspace
+    k_cache: Tensor, v_cache: Tensor, blocks: Tensor, num_seqs: int, past_end: Tensor | None, workspace: Workspace,
+    zero_keys: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Read whole blocks [N * nb] as float32 [N, nb * block_size, KVH, D], zeroing the slots `past_end`.
 
     `past_end` ([P] int64 indices into the N * nb * block_size slots, or None) lists the slots at or
     past a sequence's end, which hold other data or nothing (NaN, say): zeros keep a masked score
-    finite and 0 * V exactly 0. The results are views of the workspace's buffers, valid until their
-    next use.
+    finite and 0 * V exactly 0. A caller that masks scores with `masked_fill_` (which also replaces
+    a NaN) needs only V zeroed: `zero_keys=False` saves the K pass. The results are views of the
+    workspace's buffers, valid until their next use.
     """
     gathered = []
     for name, cache in (("k", k_cache), ("v", v_cache)):
@@ -100,7 +102,7 @@ def gather_blocks(
         torch.index_select(cache, 0, blocks, out=raw)
         if cache.dtype != torch.float32:
             raw = workspace.get(name, raw.shape).copy_(raw)
-        if past_end is not None:  # whole slots: index_fill_ is far faster than a broadcast mask
+        if past_end is not None and (zero_keys or name == "v"):  # whole slots: far faster than a broadcast mask
             raw.view(blocks.numel() * cache.shape[1], -1).index_fill_(0, past_end, 0.0)
         gathered.append(raw.view(num_seqs, -1, *cache.shape[2:]))
     return gathered[0], gathered[1]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagoda.kernels.cpu_threads import few_threads, small_step, wide
 from pagoda.model.config import ModelConfig
 from pagoda.model.matmul import ONEDNN_BF16, PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
 
@@ -50,10 +51,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, **factory))
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: [T, H]. Statistics in float32 whatever the weights' dtype.
+        # x: [T, H]. Statistics in float32 whatever the weights' dtype; in place on fresh tensors
+        # (the same products and sums in the same order, so the same bits as the out-of-place form).
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        normed = (x32 * x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype)
+        return normed.mul_(self.weight)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -91,8 +93,8 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """x: [T, heads, D]; cos, sin_signed: [T, D] -> [T, heads, D]."""
     half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), -1)
-    return x * cos[:, None, :] + swapped * sin_signed[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), -1).mul_(sin_signed[:, None, :])
+    return torch.mul(x, cos[:, None, :]).add_(swapped)  # x * cos + swapped * sin, without temporaries
 
 
 class Attention(nn.Module):
@@ -110,7 +112,7 @@ class Attention(nn.Module):
         # x: [Tp, H] -> q [n, nh, D], k and v [n, nkv, D] for the first n = len(cos) rows.
         # The projection runs over all Tp rows: its row count is what keeps it batch invariant.
         t = cos.shape[0]
-        qkv = self.qkv_proj(x)[:t]
+        qkv = wide(self.qkv_proj, x)[:t]
         # q and k heads are adjacent columns: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qk, cos, sin)
@@ -127,7 +129,7 @@ class Attention(nn.Module):
         out = out.reshape(n, self.q_size)
         if x.shape[0] > n:  # padding rows carry zeros into o_proj
             out = torch.cat((out, out.new_zeros(x.shape[0] - n, self.q_size)))
-        return self.o_proj(out)
+        return wide(self.o_proj, out)
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Plain causal attention over one whole sequence x [T, H] (the test oracle)."""
@@ -148,8 +150,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H] -> gate, up: [T, I] -> [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = wide(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
+        return wide(self.down_proj, F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -161,8 +163,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, matmul, **factory)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # the residual adds land in the sublayers' fresh outputs (a + x is x + a, bit for bit)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx).add_(x)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class DecoderStack(nn.Module):
@@ -232,14 +235,18 @@ class Transformer(nn.Module):
         assert len(ctx.kv_caches) == len(self.model.layers)
         real = positions[: ctx.num_tokens]
         cos, sin = self.rope_cos[real], self.rope_sin[real]  # [n, D]
-        h = self.model.embed_tokens(input_ids)  # [Tp, H]
-        for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
-            h = layer(h, cos, sin, kv_cache, ctx)
-        return self.model.norm(h)
+        # a small step's elementwise work and attention run on one thread, its linear layers on all
+        # (`wide`): under OMP_WAIT_POLICY=PASSIVE each parallel region costs a wake-up (cpu_threads.py)
+        with few_threads(input_ids.device.type == "cpu" and small_step(input_ids.shape[0])):
+            h = self.model.embed_tokens(input_ids)  # [Tp, H]
+            for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
+                h = layer(h, cos, sin, kv_cache, ctx)
+            return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32."""
-        return self.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None).float()
+        # the LM head may run on its own kernel (a float head over int4 layers): lm_head_packed's
+        return self.lm_head_packed.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None).float()
 
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         """Dense, unpaged forward of one sequence: input_ids [T] -> logits [T, V] (the test oracle)."""
