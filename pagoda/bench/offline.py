@@ -147,7 +147,8 @@ def render(rows: list[tuple[str, str, str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pagoda.model.hub import resolve_model
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype, weight_format
+    from pagoda.model.matmul import quantized_matmul
     from pagoda.kernels import select_backend
     from pagoda.bench.kernels import measure_copy_bandwidth
 
@@ -159,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--compare-invariance", action="store_true", help="also run the plain, not batch-invariant kernels")
@@ -171,12 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def load(matmul=None):
         """The model: an HF directory, or a named size with random weights (no download, no baselines)."""
+        quantization = "none" if matmul else args.quantization
         if args.model in NAMED_CONFIGS:
             config = named_config(args.model)
-            model = build_model(config, dtype=dtype, device=device, max_positions=max_len, matmul=matmul)
+            quantized = quantized_matmul(quantization, device)  # int8/int4 layers in a float32 model
+            model = build_model(config, dtype=torch.float32 if quantized else dtype, device=device,
+                                max_positions=max_len, matmul=matmul or quantized)
             model.init_random_weights(seed=args.seed)
             return model, config
-        return load_model(resolve_model(args.model), dtype=dtype, device=device, max_positions=max_len, matmul=matmul)
+        return load_model(resolve_model(args.model), dtype=dtype, device=device, max_positions=max_len, matmul=matmul,
+                          quantization=quantization)
 
     model, config = load()
     prompts = make_prompts(config.vocab_size, lengths, args.num_prompts, args.seed)
@@ -196,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"weights streamed at {weight_bytes(model) * solo.tokens_per_s / 1e9:.1f} GB/s)")]
     if rss is not None:
         rows.append(("resident memory after both runs", "", f"{rss / 1e6:.0f} MB (matmul weights {model.matmul_bytes() / 1e6:.0f} MB, "
-                     f"{model.matmul.name})"))
+                     f"{weight_format(model)})"))
     if args.compare_invariance:
         plain, _ = load(matmul="torch")
         backend = select_backend(device, "cpu_sdpa") if device.type == "cpu" else None

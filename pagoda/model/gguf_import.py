@@ -9,7 +9,9 @@ Three things differ between the two formats for the same weights:
 - llama.cpp's converter reorders the rows of attn_q / attn_k inside each head
   for its "adjacent pairs" RoPE. HF Llama rotates halves, so the rows are put
   back (see `unpermute_rows`); skipping this gives fluent-looking garbage.
-- Weights are quantized (Q4_1, Q8_0, ...); they are dequantized to float32.
+- Weights are quantized (Q4_1, Q8_0, ...); they are dequantized to float32. The Q4_1 tensors'
+  own blocks are also kept, rows in torch order, in `q4_1_blocks.safetensors`, so
+  `--quantization int4` packs the file's 4-bit weights as they are instead of rounding them again.
 
 The output is written to a temporary sibling directory and renamed into place,
 so an interrupted import never leaves a directory that later loads.
@@ -31,8 +33,9 @@ import numpy as np
 from pagoda.model.gguf_vocab import build_tokenizer_files
 
 # Bump when the written directory changes, so older cached imports are redone.
-IMPORT_FORMAT_VERSION = 1
+IMPORT_FORMAT_VERSION = 2  # 2: q4_1_blocks.safetensors
 IMPORT_MARKER = "pagoda_import.json"
+Q4_1_BLOCKS_FILE = "q4_1_blocks.safetensors"  # HF name -> uint8 [out, in/32, 20] (float16 d, float16 m, 16 bytes of q)
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 _LAYER_NAMES = {
@@ -152,6 +155,21 @@ def convert_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray
     return name, np.ascontiguousarray(w)
 
 
+def q4_1_blocks(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray] | None:
+    """(HF name, Q4_1 blocks [out, in/32, 20] uint8 in torch row order) of a Q4_1 tensor; None for other types."""
+    from gguf import GGMLQuantizationType
+
+    if tensor.tensor_type != GGMLQuantizationType.Q4_1:
+        return None
+    out = int(tensor.shape[-1])  # GGUF lists [in, out]; a block holds 32 consecutive inputs of one row
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out, -1, 20)
+    if ".attn_q." in tensor.name:  # whole rows move, so the blocks follow the weights' row order
+        blocks = unpermute_rows(blocks, config["num_attention_heads"])
+    elif ".attn_k." in tensor.name:
+        blocks = unpermute_rows(blocks, config["num_key_value_heads"])
+    return hf_tensor_name(tensor.name), np.ascontiguousarray(blocks)
+
+
 def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
     """Write the HF directory for `gguf_path` at `out_dir` (atomically) and return `out_dir`."""
     from gguf import GGUFReader
@@ -169,12 +187,17 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pat
         )
         with bar:
             tensors: dict[str, np.ndarray] = {}
+            blocks: dict[str, np.ndarray] = {}
             for tensor in reader.tensors:
                 name, w = convert_tensor(tensor, config)
                 tensors[name] = w
+                if (named := q4_1_blocks(tensor, config)) is not None:
+                    blocks[named[0]] = named[1]
                 bar.update()
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            del tensors
+            if blocks:
+                save_file(blocks, str(tmp / Q4_1_BLOCKS_FILE), metadata={"format": "pt"})
+            del tensors, blocks
             bar.update()
             meta = {key: read_field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
             tokenizer, tokenizer_config = build_tokenizer_files(meta, config["max_position_embeddings"])

@@ -16,11 +16,19 @@ import torch
 from safetensors import safe_open
 
 from pagoda.model.config import ModelConfig
+from pagoda.model.gguf_import import Q4_1_BLOCKS_FILE
 from pagoda.model.llama import Transformer, build_model
+from pagoda.model.matmul import INT4, ONEDNN_BF16, Linear, PackedWeight, has_onednn_bf16, quantized_matmul, select_matmul
+from pagoda.model.quantize import int4_from_q4_1
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The LM head's format under --quantization int8/int4 (it is 21% of the default model's weight bytes).
+# int4 rounds the head (the tied embedding, Q8_0 in the GGUF) too coarsely: greedy agreement 0.85 against
+# 0.98 with a bfloat16 or int8 head; int8 is as good as bfloat16 and faster (docs/performance.md).
+LM_HEAD_FORMATS = ("float", "int8", "int4")  # float: onednn_bf16 where native, else the float32 kernel
+DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8"}
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -38,11 +46,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU (fast and exact there) and bfloat16 on GPU."""
+    """'auto' is bfloat16 (weights) on a CPU that multiplies it natively, else float32 there, and bfloat16 on GPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        # on the CPU bfloat16 is a weight format (onednn_bf16, 1.1-1.5x faster decode); float32 is the exact one
+        return torch.bfloat16 if device.type != "cpu" or has_onednn_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
@@ -86,11 +95,15 @@ def load_model(
     device: str | torch.device = "auto",
     max_positions: int | None = None,
     matmul: str | None = None,
+    quantization: str = "none",
+    lm_head: str | None = None,
 ) -> tuple[Transformer, ModelConfig]:
     """Load an HF directory into a Transformer on `device` in `dtype` ('auto' picks per device).
 
     `max_positions` bounds the RoPE table (default: the config's context);
-    `matmul` names a MatmulKernel (default: the batch-invariant one for the device).
+    `matmul` names a MatmulKernel (default: the batch-invariant one for the device);
+    `quantization` int8/int4 is a weight format of the linear layers (the rest of the model is float32),
+    the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -98,12 +111,58 @@ def load_model(
     config = ModelConfig.from_file(model_dir / "config.json")
     files = checkpoint_files(model_dir)
     device = resolve_device(device)
-    model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions, matmul=matmul)
+    kernel = quantized_matmul(quantization, device)
+    if kernel is None:
+        model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
+                            matmul=matmul)
+    else:
+        if matmul is not None:
+            raise ValueError("pass a matmul kernel or a quantization, not both")
+        model = build_model(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel)
+        head = lm_head or DEFAULT_LM_HEAD[kernel.name]
+        if head not in LM_HEAD_FORMATS:
+            raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {head!r}")
+        if head == "float":
+            model.lm_head_packed = PackedWeight(ONEDNN_BF16 if has_onednn_bf16() else select_matmul(device))
+        elif head != kernel.name:
+            model.lm_head_packed = PackedWeight(quantized_matmul(head, device))
     try:
         load_weights(model, iter_checkpoint(files))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
+    if kernel is INT4:
+        adopt_q4_1_blocks(model, model_dir)
     return model, config
+
+
+def weight_format(model: Transformer) -> str:
+    """One line naming how the model multiplies: the layers' kernel and, when it differs, the LM head's."""
+    head = model.lm_head_packed.matmul
+    return model.matmul.name if head is model.matmul else f"{model.matmul.name} (LM head {head.name})"
+
+
+def adopt_q4_1_blocks(model: Transformer, model_dir: Path) -> int:
+    """Pack int4 layers from a GGUF import's own Q4_1 blocks (no second rounding); returns how many."""
+    path = model_dir / Q4_1_BLOCKS_FILE
+    if not path.is_file():
+        return 0
+    targets = [(f"{name}.weight", m.packed, m.weight) for name, m in model.named_modules()
+               if isinstance(m, Linear) and m is not model.lm_head]
+    if model.lm_head is not None and model.lm_head_packed.matmul is INT4:
+        targets.append(("lm_head.weight", model.lm_head_packed, model.lm_head.weight))
+    adopted = 0
+    with safe_open(str(path), framework="pt", device="cpu") as reader:
+        stored = set(reader.keys())
+        for name, packed, weight in targets:
+            parts = hf_names(name)
+            if not all(p in stored for p in parts):
+                continue  # another GGUF type: quantized from float at packing
+            blocks = torch.cat([reader.get_tensor(p) for p in parts])  # [out, in/32, 20], stacked rows
+            if blocks.shape[0] != weight.shape[0] or blocks.shape[1] * 32 != weight.shape[1]:
+                raise ValueError(f"{path}: blocks of {name} have shape {tuple(blocks.shape)}, weight {tuple(weight.shape)}")
+            packed.adopt(int4_from_q4_1(blocks), weight)
+            adopted += 1
+    return adopted
 
 
 def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -147,9 +206,11 @@ def _stacked_target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
 
 def checkpoint_names(model: Transformer) -> list[str]:
     """The HF tensor names a checkpoint of this model must hold."""
+    return [hf for name, _ in model.named_parameters() for hf in hf_names(name)]
+
+
+def hf_names(name: str) -> list[str]:
+    """The HF tensor names one of our parameters is stacked from (q/k/v, gate/up), else [name]."""
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    names = []
-    for name, _ in model.named_parameters():
-        prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
-        names += [f"{prefix}.{p}.{kind}" for p in parts[proj]] if proj in parts else [name]
-    return names
+    prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+    return [f"{prefix}.{p}.{kind}" for p in parts[proj]] if proj in parts else [name]

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagoda.model import quantize
+
 
 @dataclass(frozen=True)
 class MatmulKernel:
@@ -31,8 +33,8 @@ class MatmulKernel:
 
     name: str
     row_multiple: int
-    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (x, weight or pack(weight), bias)
-    pack: Callable[[Tensor], Tensor] | None = None  # weight [out, in] -> the kernel's own layout
+    linear: Callable[[Tensor, Any, Tensor | None], Tensor]  # (x, weight or pack(weight), bias)
+    pack: Callable[[Tensor], Any] | None = None  # weight [out, in] -> the kernel's own layout (a tensor or a pack)
 
 
 def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -78,11 +80,36 @@ def _bf16_pack(weight: Tensor) -> Tensor:
 # and rows are padded to 4 like onednn_packed all the same.
 ONEDNN_BF16 = MatmulKernel("onednn_bf16", 4, _bf16_linear, _bf16_pack)
 PLAIN = MatmulKernel("torch", 1, F.linear)  # GPUs, and CPU runs that opt out of invariance
+# Weight-only int8 (per output channel) and int4 (groups of 32) on torch's CPU kernels, bfloat16
+# activations (quantize.py). Each row is reduced on its own: every row count 1..1024 gave each row
+# the same bits (tests/model/test_llama.py), so no padding.
+INT8 = MatmulKernel("int8", 1, quantize.int8_linear, quantize.quantize_int8)
+INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
+QUANTIZATIONS = ("none", "int8", "int4", "auto")  # --quantization
+# `auto` is `none`: int4/int8 win only at 1-4 rows (bf16 is ~2x faster at 16-64), and switching
+# kernels by row count would break batch invariance (docs/performance.md, "Weight formats").
+AUTO_QUANTIZATION = "none"
+
+
+def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKernel | None:
+    """The kernel of a `--quantization` value (None for none); ValueError when the device cannot run it."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "auto":
+        quantization = AUTO_QUANTIZATION
+    if quantization == "none":
+        return None
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's int8/int4 CPU kernels); "
+                         f"use --device cpu or --quantization none")
+    if not quantize.has_int_kernels():
+        raise ValueError(f"--quantization {quantization}: this torch build lacks the CPU int8/int4 weight kernels")
+    return INT8 if quantization == "int8" else INT4
 
 
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
-    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN)}
+    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")
@@ -153,6 +180,11 @@ class PackedWeight:
             weight.data = weight.data.new_empty(0)
             self.released = True
 
+    def adopt(self, packed: Any, weight: Tensor) -> None:
+        """Take a pack made elsewhere (int4 from a GGUF's own blocks) and free the plain weight: it is final."""
+        self.packed, self.key, self.released = packed, None, True
+        weight.data = weight.data.new_empty(0)
+
     def clear(self) -> None:
         if self.released:
             raise RuntimeError("the plain weight was released after packing: load the model again")
@@ -169,7 +201,7 @@ class PackedWeight:
     def nbytes(self, weight: Tensor) -> int:
         """Bytes a product reads: the pack's when there is one, else the plain weight's."""
         t = self.packed if self.packed is not None else weight
-        return t.numel() * t.element_size()
+        return t.numel() * t.element_size() if isinstance(t, Tensor) else t.nbytes
 
 
 class Linear(nn.Linear):

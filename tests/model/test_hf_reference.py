@@ -107,43 +107,84 @@ def test_generate_command_answers_paris(default_model_dir, monkeypatch, capsys):
     from pagoda.cli.main import main
 
     monkeypatch.setenv("PAGODA_HOME", str(default_model_dir.parent.parent))  # the fixture's imported model
-    assert main(["generate", "What is the capital of France?", "--device", "cpu"]) == 0
+    assert main(["generate", "What is the capital of France?", "--device", "cpu", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == "The capital of France is Paris."
     assert "tokens/s" in err
 
 
-def format_quality(hf_model, runner, tokenizer, max_tokens=32):
+@pytest.fixture(scope="module")
+def hf_answers(hf_model, default_tokenizer):  # noqa: F811
+    """Per prompt: (prompt + transformers' greedy answer, the answer, transformers' logprobs [T, V])."""
+    out = []
+    for text in PROMPTS:
+        ids = default_tokenizer.encode_chat([{"role": "user", "content": text}])
+        answer = hf_greedy(hf_model, ids, 32)
+        full = ids + answer
+        with torch.no_grad():
+            out.append((full, answer, torch.log_softmax(hf_model(torch.tensor([full])).logits[0].float(), -1)))
+    return out
+
+
+def format_quality(hf_answers, runner):
     """A weight format against transformers' float32, teacher-forced on transformers' greedy answers.
 
     Returns (greedy agreement: the share of answer positions where the format's argmax is
     transformers' token, mean |delta logprob| of transformers' token over those positions).
     """
     agree, deltas = [], []
-    for text in PROMPTS:
-        ids = tokenizer.encode_chat([{"role": "user", "content": text}])
-        answer = hf_greedy(hf_model, ids, max_tokens)
-        full = ids + answer
-        with torch.no_grad():
-            theirs = torch.log_softmax(hf_model(torch.tensor([full])).logits[0].float(), -1)
+    for full, answer, theirs in hf_answers:
         ours = torch.log_softmax(pagoda_prompt_logits(runner, full), -1)
-        rows = torch.arange(len(ids) - 1, len(full) - 1)  # the position before each answer token
+        rows = torch.arange(len(full) - len(answer) - 1, len(full) - 1)  # the position before each answer token
         target = torch.tensor(answer)
         agree += (ours[rows].argmax(-1) == target).tolist()
         deltas += (ours[rows, target] - theirs[rows, target]).abs().tolist()
     return sum(agree) / len(agree), sum(deltas) / len(deltas)
 
 
-@pytest.mark.slow
-def test_bfloat16_weights_stay_close_to_transformers_float32(hf_model, default_model_dir, default_tokenizer):  # noqa: F811
-    from pagoda.model.matmul import ONEDNN_BF16
+def without_q4_1_blocks(model_dir, tmp_path):
+    """The import's directory minus its Q4_1 blocks: int4 is then rounded from the float32 weights."""
+    from pagoda.model.gguf_import import Q4_1_BLOCKS_FILE
 
-    model, _ = load_model(default_model_dir, "bfloat16", "cpu", max_positions=1024)
-    if model.matmul is not ONEDNN_BF16:
+    for f in model_dir.iterdir():
+        if f.name != Q4_1_BLOCKS_FILE:
+            (tmp_path / f.name).symlink_to(f)
+    return tmp_path
+
+
+# name: (dtype, quantization, LM head format, int4 from the GGUF's own blocks, min agreement, max mean delta)
+# for every format that changes the numbers.
+# Bounds catch a broken format, not noise; docs/performance.md ("Weight formats") records the measured values.
+FORMATS = {
+    "bfloat16": ("bfloat16", "none", None, False, 0.9, 0.1),
+    "int8": ("float32", "int8", "int8", False, 0.9, 0.15),
+    "int8-float-head": ("float32", "int8", "float", False, 0.9, 0.15),
+    "int4-q4_1": ("float32", "int4", "int8", True, 0.9, 0.15),
+    "int4-q4_1-float-head": ("float32", "int4", "float", True, 0.9, 0.1),
+    "int4-q4_1-int4-head": ("float32", "int4", "int4", True, 0.75, 0.3),
+    "int4-rtn": ("float32", "int4", "int8", False, 0.9, 0.15),
+    "int4-rtn-float-head": ("float32", "int4", "float", False, 0.9, 0.1),
+    "int4-rtn-int4-head": ("float32", "int4", "int4", False, 0.75, 0.3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_weight_formats_stay_close_to_transformers_float32(name, hf_answers, default_model_dir, tmp_path):  # noqa: F811
+    from pagoda.model.loader import weight_format
+    from pagoda.model.matmul import ONEDNN_BF16
+    from pagoda.model.quantize import has_int_kernels
+
+    dtype, quantization, lm_head, from_blocks, min_agreement, max_delta = FORMATS[name]
+    if quantization != "none" and not has_int_kernels():
+        pytest.skip("torch lacks the CPU int8/int4 weight kernels")
+    model_dir = default_model_dir if from_blocks else without_q4_1_blocks(default_model_dir, tmp_path)
+    model, _ = load_model(model_dir, dtype, "cpu", max_positions=1024, quantization=quantization,
+                          lm_head=lm_head)
+    if dtype == "bfloat16" and model.matmul is not ONEDNN_BF16:
         pytest.skip("no native bfloat16 products on this CPU")
     config = EngineConfig(num_blocks=256, block_size=16, max_running=8, max_batched_tokens=256, max_model_len=1024)
     engine = make_engine(model, config, eos_token_ids=(2,))
-    agreement, mean_delta = format_quality(hf_model, engine.runner, default_tokenizer)
-    print(f"bfloat16 weights: greedy agreement {agreement:.3f}, mean |delta logprob| {mean_delta:.4f}")
-    # docs/performance.md records the measured values; these bounds catch a broken format, not noise
-    assert agreement >= 0.9 and mean_delta <= 0.1, (agreement, mean_delta)
+    agreement, mean_delta = format_quality(hf_answers, engine.runner)
+    print(f"{name} ({weight_format(model)}): greedy agreement {agreement:.3f}, mean |delta logprob| {mean_delta:.4f}")
+    assert agreement >= min_agreement and mean_delta <= max_delta, (agreement, mean_delta)

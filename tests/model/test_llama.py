@@ -7,7 +7,9 @@ import torch
 
 from pagoda.model.config import named_config
 from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_freq, rope_tables
-from pagoda.model.matmul import MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, has_onednn_bf16, select_matmul
+from pagoda.model.matmul import (INT4, INT8, MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, PackedWeight,
+                                 has_onednn_bf16, select_matmul)
+from pagoda.model.quantize import has_int_kernels
 from pagoda.kernels import AttentionMetadata, allocate_kv_cache, select_backend
 
 BLOCK_SIZE = 4
@@ -107,6 +109,7 @@ SAMPLE_SIZES = list(range(1, 18)) + [33, 64]  # rows reaching the LM head: one p
 HAS_ONEDNN = select_matmul("cpu") in (ONEDNN, ONEDNN_PACKED)
 CPU_KERNELS = [k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED) if k is MKL_PADDED or HAS_ONEDNN]
 CPU_KERNELS += [ONEDNN_BF16] if has_onednn_bf16() else []
+CPU_KERNELS += [INT8, INT4] if has_int_kernels() else []  # row_multiple 1: invariant with no padding at all
 
 
 def _padded(fn, x, multiple):
@@ -176,6 +179,25 @@ def test_each_op_is_batch_invariant_with_row_padding(matmul):
         for name, (fn, width, sizes) in ops.items():
             ok, where = _row_is_invariant(fn, width, matmul.row_multiple, sizes)
             assert ok, f"{name}: row differs at (batch size, position) {where}"
+
+
+@pytest.mark.skipif(not has_int_kernels(), reason="torch lacks the CPU int8/int4 weight kernels")
+@pytest.mark.parametrize("matmul", [INT8, INT4], ids=lambda k: k.name)
+def test_a_float_lm_head_over_int_layers_keeps_its_own_padding(matmul):
+    """int layers with a bfloat16 (or float32) LM head: the runner pads to the head's row multiple."""
+    from pagoda.model.factory import make_engine
+    from pagoda.core.engine_config import EngineConfig
+
+    model = build_model(named_config("smollm2-135m", num_hidden_layers=1), max_positions=64, matmul=matmul)
+    head = ONEDNN_BF16 if has_onednn_bf16() else select_matmul("cpu")
+    model.lm_head_packed = PackedWeight(head)
+    model.init_random_weights(seed=0)
+    engine = make_engine(model, EngineConfig(num_blocks=8, block_size=4, max_model_len=32))
+    assert engine.runner.row_multiple == max(matmul.row_multiple, head.row_multiple)
+    with torch.inference_mode():
+        ok, where = _row_is_invariant(model.compute_logits, model.config.hidden_size, engine.runner.row_multiple,
+                                      SAMPLE_SIZES)
+    assert ok, f"lm_head: row differs at (batch size, position) {where}"
 
 
 @pytest.mark.parametrize("matmul", CPU_KERNELS, ids=lambda k: k.name)

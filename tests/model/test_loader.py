@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from pagoda.model.config import ModelConfig, ModelConfigError
 from pagoda.model.loader import checkpoint_files, load_model, resolve_dtype
+from pagoda.model.matmul import has_onednn_bf16
 from tests.model.test_llama import empty_caches, paged_step
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +96,8 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
 
 def test_dtypes(tmp_path):
     _, d = save_hf(tmp_path, "llama")
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    # auto on the CPU: bfloat16 weights where oneDNN multiplies them natively, else the exact float32
+    assert resolve_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if has_onednn_bf16() else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     model, _ = load_model(d, "float16", "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.float16}

@@ -1,0 +1,148 @@
+"""Weight-only int8 and int4 formats for the CPU: quantize, pack, dequantize, multiply.
+
+Design note. Decoding a small model on a CPU streams every weight once per step, so fewer weight
+bytes are a faster step while the rows are few. Two formats, each torch's own CPU kernel:
+
+- int8, per output channel: w[n, k] = q[n, k] * scale[n], q in -127..127 (symmetric round to nearest).
+  `aten._weight_int8pack_mm(x [T, K], q [N, K] int8, scale [N])`.
+- int4, per group of 32 inputs: w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], q in 0..15
+  (asymmetric round to nearest between the group's min and max).
+  `aten._weight_int4pack_mm_for_cpu(x [T, K], packed [N, K/2] uint8, 32, scales_zeros [K/32, N, 2])`.
+
+Both kernels want the activations, scales and zeros in one dtype: bfloat16 (float32 activations take
+those kernels' scalar path, 10-60x slower; float16 is slower still). Activations are rounded to
+bfloat16 per row and the kernels reduce each row on its own, so a row's bits do not depend on the
+other rows at any row count (tests/model/test_llama.py). A GGUF Q4_1 block (w = d * q + m, per 32
+weights) is the int4 format with scale = d and zero = m + 8 d: `int4_from_q4_1` packs those blocks
+without a second rounding of q (the scales themselves are rounded to bfloat16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GROUP_SIZE = 32  # int4 inputs per scale and zero; Q4_1's block size too
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles (weights 0-15 low, 16-31 high)
+ACTIVATION_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """int8 weights with one scale per output channel."""
+
+    qweight: Tensor  # [N, K] int8
+    scales: Tensor  # [N] bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """4-bit weights in torch's CPU packing, with a scale and a zero per group of GROUP_SIZE inputs."""
+
+    packed: Tensor  # [N, K/2] uint8 (aten._convert_weight_to_int4pack_for_cpu)
+    scales_zeros: Tensor  # [K/G, N, 2] bfloat16: (scale, zero)
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def quantize_int8(weight: Tensor) -> Int8Weight:
+    """weight [N, K] float -> int8 per output channel, rounded to nearest (symmetric)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(ACTIVATION_DTYPE)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scales.contiguous())
+
+
+def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
+    """weight [N, K] float -> int4 per group of inputs, rounded to nearest between the group's min and max."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {group_size}")
+    if n % 16:
+        raise ValueError(f"int4 needs the output size ({n}) to be a multiple of 16 (torch's CPU packing)")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(ACTIVATION_DTYPE).float()
+    zero = (lo + 8 * scale).to(ACTIVATION_DTYPE).float()  # stored rounded: quantize against what is stored
+    q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+    return _pack_int4(q.reshape(n, k), scale, zero)
+
+
+def int4_from_q4_1(blocks: Tensor) -> Int4Weight:
+    """GGUF Q4_1 blocks [N, K/32, 20] uint8 (rows in torch order) -> the int4 pack of the same q."""
+    n, groups, size = blocks.shape
+    assert size == Q4_1_BLOCK_BYTES, blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, K/32]
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    qs = blocks[..., 4:].to(torch.int32)  # [N, K/32, 16]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, K/32, 32]: weights 0-15 then 16-31
+    return _pack_int4(q.reshape(n, groups * GROUP_SIZE), d, m + 8 * d)
+
+
+def _pack_int4(q: Tensor, scale: Tensor, zero: Tensor) -> Int4Weight:
+    # q [N, K] in 0..15; scale, zero [N, K/G] -> torch's layout, scales_zeros [K/G, N, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACTIVATION_DTYPE).contiguous()
+    return Int4Weight(packed, scales_zeros, q.shape[1])
+
+
+def dequantize(weight: Int8Weight | Int4Weight) -> Tensor:
+    """The float32 weight [N, K] a pack multiplies by (to check a pack, not on the serving path)."""
+    if isinstance(weight, Int8Weight):
+        return weight.qweight.float() * weight.scales.float()[:, None]
+    sz = weight.scales_zeros.float()  # [K/G, N, 2]
+    scale = sz[..., 0].t().repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
+    zero = sz[..., 1].t().repeat_interleave(GROUP_SIZE, dim=1)
+    return (int4_values(weight) - 8) * scale + zero
+
+
+def int4_values(weight: Int4Weight) -> Tensor:
+    """The q in 0..15 of an int4 pack, as float32 [N, K]."""
+    # x = I with scale 1 and zero 8 makes the kernel return q itself ([K, N]: small integers, exact in bfloat16)
+    eye = torch.eye(weight.in_features, dtype=ACTIVATION_DTYPE)
+    q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, weight.packed, GROUP_SIZE, _unit_scales(weight.scales_zeros))
+    return q.float().t()
+
+
+def _unit_scales(scales_zeros: Tensor) -> Tensor:
+    # scale 1, zero 8: the kernel then returns q itself (small integers, exact in bfloat16)
+    unit = torch.empty_like(scales_zeros)
+    unit[..., 0], unit[..., 1] = 1, 8
+    return unit
+
+
+def int8_linear(x: Tensor, weight: Int8Weight | Tensor, bias: Tensor | None) -> Tensor:
+    """x [T, K] float32 -> [T, N] float32 through the int8 kernel (bfloat16 activations and output)."""
+    if isinstance(weight, Tensor):
+        weight = quantize_int8(weight)  # not packed yet (weights still loading)
+    out = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), weight.qweight, weight.scales).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def int4_linear(x: Tensor, weight: Int4Weight | Tensor, bias: Tensor | None) -> Tensor:
+    """x [T, K] float32 -> [T, N] float32 through the int4 kernel (bfloat16 activations and output)."""
+    if isinstance(weight, Tensor):
+        weight = quantize_int4(weight)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACTIVATION_DTYPE), weight.packed, GROUP_SIZE,
+                                                     weight.scales_zeros).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def has_int_kernels() -> bool:
+    """Whether this torch build runs the CPU int8 and int4 weight kernels."""
+    try:
+        x = torch.zeros(1, GROUP_SIZE)
+        int8_linear(x, torch.zeros(16, GROUP_SIZE), None)
+        int4_linear(x, torch.zeros(16, GROUP_SIZE), None)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
