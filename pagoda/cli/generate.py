@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
 
 
@@ -21,9 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"),
+                   help="weight format of the linear layers: int8/int4 are weight-only on the CPU (docs/models.md); "
+                        "auto is none")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not look the prompt up in the prefix cache")
+    add_speculative_option(p)
     p.set_defaults(func=run)
 
 
@@ -80,10 +85,12 @@ def _build(args: argparse.Namespace, params):
     if total > context:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                          f"context of {context} tokens")
-    options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, block_size=args.block_size,
+    options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, quantization=args.quantization,
+                            block_size=args.block_size,
                             num_blocks=-(-total // args.block_size), max_running=1,
                             max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
-                            max_model_len=total, enable_prefix_caching=args.prefix_caching)
+                            max_model_len=total, enable_prefix_caching=args.prefix_caching,
+                            speculative=args.speculative)
     return load_engine(model_dir, tokenizer, options), tokenizer, prompt_ids
 
 

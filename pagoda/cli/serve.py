@@ -8,6 +8,7 @@ import os
 import sys
 
 from pagoda.api.settings import ServeSettings
+from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
 from pagoda.plugins.protocol import RequestLimits
 
@@ -21,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = let the system pick a free port (printed)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"),
+                   help="weight format of the linear layers: int8/int4 are weight-only on the CPU (docs/models.md); "
+                        "auto is none")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running, help="requests in one step")
@@ -64,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-output-tokens", type=int, default=limits.max_tokens, metavar="N",
                    help="output tokens one request may ask for (default: whatever fits the context)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_speculative_option(p)
     p.set_defaults(func=run)
 
 
@@ -78,10 +83,12 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        options = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        options = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                                block_size=args.block_size,
                                 num_blocks=args.num_blocks, max_running=args.max_running,
                                 max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                                enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting)
+                                enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
+                                speculative=args.speculative)
         plugins = load_plugins()
         engine, tokenizer, model_dir = build_engine(options)
         names = args.served_model_name or [args.model if args.model == "default" else model_dir.name]

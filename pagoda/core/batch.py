@@ -3,7 +3,10 @@
 A step is a flat list of chunks, one per scheduled request: `num_tokens`
 consecutive tokens of the request starting at position `start` (the tokens
 whose KV is not yet cached). A decode is a chunk of one token; a prefill or a
-recompute after preemption is a longer chunk, possibly one of several.
+recompute after preemption is a longer chunk, possibly one of several. A
+chunk that samples may carry draft tokens after its own (core/speculative.py):
+the runner computes them in the rows that follow and returns a logits row for
+the chunk's last token and for each draft.
 """
 
 from __future__ import annotations
@@ -20,15 +23,28 @@ class ScheduledChunk:
     request: Request
     start: int  # position of the first new token == tokens already cached
     num_tokens: int  # new tokens computed this step (>= 1)
-    block_table: tuple[int, ...]  # the request's blocks, covering start + num_tokens slots
+    block_table: tuple[int, ...]  # the request's blocks, covering start + num_rows slots
+    draft_token_ids: tuple[int, ...] = ()  # proposed tokens after the request's last one, to verify
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_rows(self) -> int:
+        """Token rows this step computes for the chunk: its own tokens, then its drafts."""
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows a sampling chunk gets: its last token's, then one per draft."""
+        return 1 + len(self.draft_token_ids)
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids_slice(self.start, self.end)
+        """The tokens of the chunk's rows (its own, then its drafts)."""
+        own = self.request.token_ids_slice(self.start, self.end)
+        return own + list(self.draft_token_ids) if self.draft_token_ids else own
 
     @property
     def samples(self) -> bool:
@@ -52,6 +68,10 @@ class SchedulerOutput:
         """The chunks whose last position is sampled, in the order the runner returns logits."""
         return [c for c in self.chunks if c.samples]
 
+    @cached_property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft_token_ids) for c in self.chunks)
+
     @property
     def is_empty(self) -> bool:
         return not self.chunks
@@ -59,8 +79,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    # float32 tensor [len(batch.sample_chunks), vocab_size]: the logits at the
-    # last position of every chunk that samples, in `sample_chunks` order.
+    # float32 tensor [sum of num_logits_rows over batch.sample_chunks, vocab_size]: the logits at the
+    # last position of every chunk that samples, then at each of its drafts, in `sample_chunks` order.
     logits: Any
 
 
@@ -68,6 +88,7 @@ class ModelRunner(Protocol):
     """What computes logits: the torch model runner and the simulator's fake model both implement it."""
 
     vocab_size: int
+    row_multiple: int  # the runner pads a step's rows to a multiple of this (1: no padding); drafts fill it
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Run one forward over the batch: write its new KV, return logits for the sampling chunks."""

@@ -170,6 +170,17 @@ class BlockManager(LedgerAudit):
                 returned += 1
         return returned
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to cover `num_tokens` slots: the blocks only rejected drafts used return."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        while table and len(table) > keep:
+            block_id = table.pop()
+            # never registered: a block joins the cache only once its tokens are accepted and computed
+            assert self._hash_of[block_id] is None and self._ref_counts[block_id] == 1, f"trimmed block {block_id}"
+            self._ref_counts[block_id] = 0
+            self._free.appendleft(block_id)  # the next fresh block again: its slots are overwritten first
+
     def _take_fresh(self) -> int:
         """A block for new KV: a truly free one, else the least recently freed cached one, evicted."""
         if self._free:

@@ -13,12 +13,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.core.batch import ModelRunner, SchedulerOutput
+from pagoda.core import speculative
+from pagoda.core.batch import ModelRunner, ScheduledChunk, SchedulerOutput
 from pagoda.core.constraint import Constraint
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.grammar import CompileQueue, Grammars
-from pagoda.core.outputs import RequestOutput, RequestTimes, SampledToken
+from pagoda.core.outputs import RequestOutput, SampledToken
 from pagoda.core.request import FinishReason, Request, RequestStatus
 from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
@@ -56,9 +57,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.clock = clock  # arrival and the queue/prefill/decode stamps (the simulator's is virtual)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, getattr(runner, "row_multiple", 1))
         self.sampler = Sampler()
         self.counters = EngineCounters()
+        self.spec_counters = speculative.SpecCounters()
         self.requests: dict[str, Request] = {}  # live requests by id
         self._pending_aborts: list[str] = []
         # Constrained decoding (core/grammar.py): grammars compile on a worker pool over the tokenizer's
@@ -176,28 +178,39 @@ class Engine:
             chunk.request.scheduled_time = chunk.request.scheduled_time or started
 
     def _collect(self, batch: SchedulerOutput, logits: Any) -> list[RequestOutput]:
-        # logits: [len(batch.sample_chunks), V], one row per chunk that reaches its request's end.
+        # logits: [rows, V]: per chunk that reaches its request's end, its last token's row and one per draft.
         # A failure in one request's own work (its sampling, logits processing, detokenizing) fails it alone.
-        outputs = []
-        for row, chunk in enumerate(batch.sample_chunks):
+        outputs, row = [], 0
+        for chunk in batch.sample_chunks:
+            rows, row = logits[row : row + chunk.num_logits_rows], row + chunk.num_logits_rows
             try:
-                outputs.append(self._take(chunk.request, self.sampler.sample_row(logits[row], chunk.request)))
+                outputs.append(self._take(chunk, rows))
             except Exception as exc:
                 logger.exception("request %s failed in sampling; failing it alone", chunk.request.request_id)
                 outputs.append(self._fail_request(chunk.request, exc))
         return outputs
 
-    def _take(self, request: Request, token: SampledToken) -> RequestOutput:
-        """Append one sampled token, stream its text, and finish the request if it stops here."""
+    def _take(self, chunk: ScheduledChunk, rows: Any) -> RequestOutput:
+        """Sample the chunk's rows, keeping its drafts while they equal the token sampled (core/speculative.py)."""
+        request, tokens, text = chunk.request, [], ""
+        for token in speculative.verify(chunk, rows, self.sampler.sample_row):
+            tokens.append(token)
+            text += self._append(request, token)
+            if request.is_finished:
+                break
+        if self.spec_counters.count(chunk, tokens) and not request.is_finished:
+            self.scheduler.trim(request)  # the blocks only its rejected drafts used return
+        logprobs = tokens if request.sampling_params.logprobs is not None else []
+        return RequestOutput.of(request, [t.token_id for t in tokens], text, logprobs=logprobs)
+
+    def _append(self, request: Request, token: SampledToken) -> str:
+        """Append one sampled token and return its text; finishes the request if it stops here."""
         request.output_token_ids.append(token.token_id)
         request.first_token_time = request.first_token_time or self.clock()
         self.counters.generated_tokens_total += 1
         text = request.text_stream.push(token.token_id) if request.text_stream else ""
         reason = self._finish_reason(request, token.token_id)
-        if reason is not None:
-            text += self._finish(request, reason)
-        logprobs = [token] if request.sampling_params.logprobs is not None else []
-        return self._output(request, [token.token_id], text, logprobs=logprobs)
+        return text + self._finish(request, reason) if reason is not None else text
 
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
@@ -238,7 +251,7 @@ class Engine:
                 continue
             self._finish(request, FinishReason.ABORT)
             self.counters.aborted_total += 1
-            outputs.append(self._output(request, [], ""))
+            outputs.append(RequestOutput.of(request, [], ""))
         return outputs
 
     def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -253,23 +266,7 @@ class Engine:
             self._finish(request, FinishReason.ERROR)
         request.finish_reason = FinishReason.ERROR
         self.counters.failed_total += 1
-        return self._output(request, [], "", error=f"{type(exc).__name__}: {exc}")
-
-    def _output(self, request: Request, token_ids: list[int], text: str, **extra: Any) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            new_text=text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            stop_reason=request.stop_reason,
-            times=RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time,
-                               request.finished_time) if request.is_finished else None,
-            num_cached_tokens=request.num_cached_tokens,
-            **extra,
-        )
+        return RequestOutput.of(request, [], "", error=f"{type(exc).__name__}: {exc}")
 
     # -- what the outside may ask --------------------------------------
     def audit(self) -> None:
@@ -296,4 +293,5 @@ class Engine:
             "prefix_cache_queried_tokens_total": scheduler.num_prefix_queried_tokens,
             "prefix_cache_hit_tokens_total": scheduler.num_prefix_hit_tokens,
             "steps_total": c.steps_total,
+            **self.spec_counters.stats(),
         }

@@ -7,7 +7,47 @@ The model runner sizes its KV cache from the same config the scheduler's pool fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup (n-gram) drafts for greedy requests, in the rows the runner pads (core/speculative.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # most drafts one request gets in a step
+    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up earlier in the request's tokens
+    prompt_lookup_min: int = 1  # the shortest
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method must be 'ngram', got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds"
+                             f" prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig | None:
+        """The command line's JSON (vLLM's `--speculative-config`); '{}', 'none' or 'null' turn speculation off."""
+        if text.strip().lower() in ("none", "null", "off", ""):
+            return None
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        if not fields:
+            return None
+        unknown = sorted(fields.keys() - cls.__dataclass_fields__.keys())
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}")
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -19,6 +59,8 @@ class EngineConfig:
     max_model_len: int = 8192  # prompt + output tokens of one request
     enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
     max_waiting: int | None = None  # requests the waiting queue may hold; a new one beyond is refused (QueueFull)
+    # n-gram drafts in the rows the runner's padding would waste (never a bigger step); None = off
+    speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
@@ -30,6 +72,8 @@ class EngineConfig:
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)
                                              or self.max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
 
     @property
     def num_slots(self) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from pagoda.core.request import FinishReason
+from pagoda.core.request import FinishReason, Request
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,21 @@ class RequestOutput:
     logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
     error: str | None = None
     times: RequestTimes | None = None  # on a request's last output only
+
+    @classmethod
+    def of(cls, request: Request, token_ids: list[int], text: str, **extra: Any) -> RequestOutput:
+        """The output of a request's step: its new tokens and text, its counts, and its times once finished."""
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            stop_reason=request.stop_reason,
+            times=RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time,
+                               request.finished_time) if request.is_finished else None,
+            num_cached_tokens=request.num_cached_tokens,
+            **extra,
+        )

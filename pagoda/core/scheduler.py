@@ -23,7 +23,12 @@ their request is preempted or leaves.
 
 Requests that could never fit (more KV slots than the whole pool, or longer
 than the model's context) are refused when they are added, never left waiting.
-No torch here.
+
+Speculation. Once the step's chunks are chosen, greedy sampling chunks get
+n-gram drafts (core/speculative.py) in the rows the runner would pad anyway
+(its `row_multiple`, for token rows and for LM-head rows alike), so a step
+never grows; their slots are allocated like any tokens, and a draft never
+preempts or waits for a block. No torch here.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from pagoda.core import speculative
 from pagoda.core.batch import ScheduledChunk, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
@@ -54,9 +60,10 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, row_multiple: int = 1) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.row_multiple = row_multiple  # the runner's: drafts go only into the rows it pads with
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -100,10 +107,11 @@ class Scheduler:
             self.block_manager.cache_blocks(request)
         budget = self._schedule_running(budget, chunks, preempted)
         if not preempted:  # admitting new work while evicting would only thrash
-            self._schedule_waiting(budget, chunks)
+            budget = self._schedule_waiting(budget, chunks)
+        self._add_drafts(chunks, budget)
         self.peak_running = max(self.peak_running, len(self.running))
         assert len(self.running) <= self.config.max_running
-        assert sum(c.num_tokens for c in chunks) <= self.config.max_batched_tokens
+        assert sum(c.num_rows for c in chunks) <= self.config.max_batched_tokens
         return SchedulerOutput(chunks=chunks, block_size=self.block_manager.block_size, preempted_ids=preempted)
 
     def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]) -> int:
@@ -123,7 +131,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             request = self.waiting[0]
@@ -140,6 +148,29 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new, hits))
             budget -= num_new
+        return budget
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Give greedy sampling chunks drafts, in arrival order, as long as the padded rows last."""
+        spec, bm = self.config.speculative, self.block_manager
+        if spec is None or self.row_multiple <= 1:
+            return
+        sampling = [c for c in chunks if c.samples]
+        spare = min(speculative.padding_waste(sum(c.num_tokens for c in chunks), self.row_multiple),
+                    speculative.padding_waste(len(sampling), self.row_multiple), budget)
+        for chunk in sampling:
+            if spare <= 0:
+                return
+            drafts = speculative.drafts_for(chunk.request, spec, spare, self.config.max_model_len)
+            if not drafts or not bm.can_allocate(chunk.request.request_id, chunk.end + len(drafts)):
+                continue
+            chunk.block_table = tuple(bm.allocate(chunk.request.request_id, chunk.end + len(drafts)))
+            chunk.draft_token_ids = tuple(drafts)
+            spare -= len(drafts)
+
+    def trim(self, request: Request) -> None:
+        """Return the blocks a request's rejected drafts took beyond its computed tokens."""
+        self.block_manager.trim(request.request_id, request.num_computed_tokens)
 
     def _count_prefix_hit(self, request: Request, num_cached: int) -> None:
         if not self.block_manager.enable_prefix_caching:

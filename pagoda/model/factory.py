@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagoda.core.engine import Engine
-from pagoda.core.engine_config import EngineConfig
+from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.kernels import AttentionBackend
 from pagoda.model.llama import Transformer
@@ -35,6 +35,7 @@ class EngineOptions:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"  # --quantization none|int8|int4|auto: the linear layers' weight format
     block_size: int = EngineConfig.block_size
     num_blocks: int | None = None
     max_running: int = EngineConfig.max_running
@@ -42,8 +43,14 @@ class EngineOptions:
     max_model_len: int | None = None
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching  # --no-prefix-caching turns it off
     max_waiting: int | None = EngineConfig.max_waiting  # --max-waiting: a fuller queue refuses new requests (429)
+    # --speculative-config: n-gram drafts in the padded rows (on by default, as EngineConfig's); None = off
+    speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        from pagoda.model.matmul import QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         for name in ("block_size", "max_running", "max_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -64,7 +71,7 @@ def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tupl
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
     """Load the model in `model_dir` and make an Engine over it with the options' pool and limits."""
     from pagoda.model.config import ModelConfig
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype, weight_format
 
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
@@ -72,17 +79,19 @@ def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -
     if options.max_model_len is not None and options.max_model_len > context:
         raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
     max_model_len = options.max_model_len or context
-    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len)
+    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len,
+                                     quantization=options.quantization)
     kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
     num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, kv_dtype, device,
                                                        max_model_len=max_model_len)
     config = EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
                           max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
-                          enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting)
+                          enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
+                          speculative=options.speculative)
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
-    logger.info("model %s on %s (%s): %d KV blocks of %d tokens, context %d, prefix caching %s",
-                model_dir, device, str(dtype).removeprefix("torch."), num_blocks, options.block_size, max_model_len,
-                "on" if options.enable_prefix_caching else "off")
+    logger.info("model %s on %s: weights %s, KV cache %s, %d KV blocks of %d tokens, context %d, prefix caching %s",
+                model_dir, device, weight_format(model), str(kv_dtype).removeprefix("torch."), num_blocks,
+                options.block_size, max_model_len, "on" if options.enable_prefix_caching else "off")
     return make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer)
 
 

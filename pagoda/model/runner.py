@@ -1,4 +1,4 @@
-"""The torch model runner: a scheduler batch in, logits for the sampling chunks out.
+"""The torch model runner: a scheduler batch in, logits for the sampling chunks (and their drafts) out.
 
 It owns the paged KV cache (per layer, k and v each
 [num_blocks, block_size, num_kv_heads, head_dim], from `allocate_kv_cache`,
@@ -39,7 +39,7 @@ from pagoda.model.llama import StepContext, Transformer
 class StepInputs:
     input_ids: Tensor  # [Tp] int64, padded
     positions: Tensor  # [Tp] int64, padded
-    sample_rows: Tensor  # [Sp] int64: row of each sampling chunk's last token, padded
+    sample_rows: Tensor  # [Sp] int64: row of each sampling chunk's last token and of each of its drafts, padded
     num_samples: int
     ctx: StepContext
 
@@ -58,14 +58,15 @@ class TorchModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.backend = backend if backend is not None else select_backend(self.device)
-        self.row_multiple = row_multiple or model.matmul.row_multiple
+        # the LM head's kernel may differ from the layers' (a float head over int4 layers)
+        self.row_multiple = row_multiple or max(model.matmul.row_multiple, model.lm_head_packed.matmul.row_multiple)
         c = self.model_config
         shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        """One forward over the batch: write its new KV, return float32 logits [num_sample_chunks, V]."""
+        """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""
         if batch.is_empty:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         inputs = self.prepare(batch)
@@ -79,7 +80,8 @@ class TorchModelRunner:
         """Flatten the chunks into padded token rows and build the step's attention metadata."""
         chunks = batch.chunks
         # positions and cache slots come from the metadata builder, with tensor ops, not a loop per token
-        meta = AttentionMetadata.build([c.num_tokens for c in chunks], [c.end for c in chunks],
+        # a chunk's rows are its own new tokens, then its drafts (core/speculative.py): a causal chunk like any
+        meta = AttentionMetadata.build([c.num_rows for c in chunks], [c.start + c.num_rows for c in chunks],
                                        [c.block_table for c in chunks], self.block_size, self.device)
         num_tokens = meta.num_tokens
         padded = _round_up(num_tokens, self.row_multiple)
@@ -87,7 +89,7 @@ class TorchModelRunner:
         token_ids += [0] * (padded - num_tokens)
         positions = torch.cat((meta.positions, meta.positions.new_zeros(padded - num_tokens)))  # [Tp]
         ends = meta.query_start_loc_cpu[1:]
-        sample_rows = [end - 1 for end, c in zip(ends, chunks) if c.samples]
+        sample_rows = [row for end, c in zip(ends, chunks) if c.samples for row in range(end - c.num_logits_rows, end)]
         num_samples = len(sample_rows)
         sample_rows += [0] * (_round_up(num_samples, self.row_multiple) - num_samples)
         return StepInputs(

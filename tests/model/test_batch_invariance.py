@@ -17,7 +17,8 @@ from pagoda.model.config import named_config
 from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
-from pagoda.model.matmul import ONEDNN_BF16
+from pagoda.model.matmul import INT4, INT8, ONEDNN_BF16
+from pagoda.model.quantize import has_int_kernels
 from pagoda.model.runner import TorchModelRunner
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
 
@@ -37,8 +38,11 @@ class RecordingRunner:
     def execute(self, batch):
         self.max_chunks = max(self.max_chunks, len(batch.chunks))
         out = self.inner.execute(batch)
-        for chunk, row in zip(batch.sample_chunks, out.logits):
-            self.rows[(chunk.request.request_id, chunk.end)] = row.clone()
+        rows = iter(out.logits)  # per sampling chunk: its last token's row, then one per draft
+        for chunk in batch.sample_chunks:
+            for end in range(chunk.end, chunk.end + chunk.num_logits_rows):
+                # a row after a rejected draft is recorded too, and overwritten when that position is computed
+                self.rows[(chunk.request.request_id, end)] = next(rows).clone()
         return out
 
 
@@ -85,6 +89,10 @@ def check_invariance(model, targets, *, tight_blocks):
         alone[rid] = tokens[rid]
         alone_rows.update(engine.runner.rows)
         assert len(alone[rid]) == 24
+        # speculation is on by default: the proofs below cover accepted and rejected drafts (drafts ride in
+        # padded rows, so a kernel without padding, int8/int4, has none)
+        if s.greedy and engine.scheduler.row_multiple > 1:
+            assert engine.stats()["spec_decode_accepted_tokens_total"] > 0, "no draft was accepted: the test proved less"
 
     # In a crowd: targets in the middle of 8 others; a small token budget cuts prompts
     # into chunks, so the targets' rows meet every batch size and row position.
@@ -121,10 +129,31 @@ def test_tiny_model_tokens_are_batch_invariant(dtype):
     check_invariance(model, targets, tight_blocks=24)
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_default_model_tokens_are_batch_invariant(default_model_dir, dtype):  # noqa: F811
-    """Every default CPU weight format: float32 (onednn_packed) and, where native, bfloat16 (onednn_bf16)."""
-    model, _ = load_model(default_model_dir, dtype, "cpu", max_positions=512)
+needs_int = pytest.mark.skipif(not has_int_kernels(), reason="torch lacks the CPU int8/int4 weight kernels")
+
+
+@pytest.mark.parametrize("matmul", [pytest.param(INT8, marks=needs_int), pytest.param(INT4, marks=needs_int)],
+                         ids=lambda k: k.name)
+def test_tiny_model_tokens_are_batch_invariant_on_int_weights(matmul):
+    model = build_model(named_config("tiny"), max_positions=512, matmul=matmul)
+    model.init_random_weights(seed=5, std=0.1)  # quantized at packing, the LM head too
+    gen = torch.Generator().manual_seed(11)
+    targets = [
+        ("greedy", torch.randint(3, 512, (13,), generator=gen).tolist(), GREEDY),
+        ("sampled", torch.randint(3, 512, (22,), generator=gen).tolist(), SAMPLED),
+    ]
+    check_invariance(model, targets, tight_blocks=24)
+
+
+@pytest.mark.parametrize("dtype, quantization", [
+    ("float32", "none"),
+    pytest.param("bfloat16", "none", marks=pytest.mark.slow),
+    pytest.param("float32", "int8", marks=[needs_int, pytest.mark.slow]),
+    pytest.param("float32", "int4", marks=[needs_int, pytest.mark.slow]),
+], ids=["float32", "bfloat16", "int8", "int4"])
+def test_default_model_tokens_are_batch_invariant(default_model_dir, dtype, quantization):  # noqa: F811
+    """Every CPU weight format: float32 (onednn_packed), bfloat16 (onednn_bf16, where native), int8, int4."""
+    model, _ = load_model(default_model_dir, dtype, "cpu", max_positions=512, quantization=quantization)
     if dtype == "bfloat16" and model.matmul is not ONEDNN_BF16:
         pytest.skip("no native bfloat16 products on this CPU")
     from pagoda.core.tokenizer import Tokenizer
