@@ -142,8 +142,7 @@ class LedgerAudit:
         for h, block_id in self._cached.items():
             key = self._key_of[block_id]
             if key is None or audited.get(h) is not key:
-                parent, tokens = key
-                if len(tokens) != self.block_size or hashing.hash_block(parent, tokens) != h:
+                if key is None or len(key[1]) != self.block_size or hashing.hash_block(*key) != h:
                     raise AuditError(f"block {block_id}'s hash does not match the tokens it holds")
             self._audited_keys[h] = key
 

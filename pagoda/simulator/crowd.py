@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import random
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from pagoda.core.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class ClientPlan:
 
     def alone(self) -> ClientPlan:
         """The same plan arriving at once and never hanging up: the solo baseline."""
-        return ClientPlan(**{**asdict(self), "arrival": 0.0, "hangup_after": None})
+        return replace(self, arrival=0.0, hangup_after=None)
 
 
 def mixed_crowd(

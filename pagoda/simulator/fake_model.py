@@ -8,6 +8,11 @@ depends only on its own tokens, as with a real model, and any ledger mistake
 (a block handed to two requests, a stale table after preemption, a slot never
 written) changes what the request reads and shows up as a mismatch against
 its solo run, or as a read of a never-written slot, which raises.
+
+Like the CPU matmuls it pads a step's rows to a multiple of 4 (`row_multiple`),
+so greedy requests get n-gram drafts (core/speculative.py) in the padded rows:
+a draft's row reads the context through the draft itself, so a rejected
+draft's slot that is not rewritten before it is read changes the request.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ EOS_TOKEN_ID = 0
 
 
 class FakeModelRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 256, seed: int = 0, eos_bias: float = 2.0):
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 256, seed: int = 0, eos_bias: float = 2.0,
+                 row_multiple: int = 4):
         self.vocab_size = vocab_size
+        self.row_multiple = row_multiple
         self.block_size = block_size
         self.cache = [-1] * (num_blocks * block_size)  # the token id stored in each slot
         self.table = _logit_table(vocab_size, seed, eos_bias)  # [context key, vocab], read only
+        self.table_rows = _table_rows(vocab_size, seed, eos_bias)  # its rows [1, vocab]: a list index, no tensor op
 
     def _write(self, block_table: tuple[int, ...], start: int, token_ids: list[int]) -> None:
         """Store tokens at positions start.. through the table, one block-sized slice at a time."""
@@ -54,19 +62,26 @@ class FakeModelRunner:
             self._write(chunk.block_table, chunk.start, chunk.token_ids)
         last, key = [], []
         for chunk in batch.sample_chunks:
-            context = self._read(chunk.block_table, chunk.end)
-            if min(context) < 0:
-                raise RuntimeError(f"request {chunk.request.request_id} read a KV slot that was never written")
-            last.append(context[-1])
-            key.append((sum(context) * 31 + chunk.end) % self.vocab_size)
+            for end in range(chunk.end, chunk.end + chunk.num_logits_rows):  # its last token, then each draft
+                context = self._read(chunk.block_table, end)
+                if min(context) < 0:
+                    raise RuntimeError(f"request {chunk.request.request_id} read a KV slot that was never written")
+                last.append(context[-1])
+                key.append((sum(context) * 31 + end) % self.vocab_size)
         if not last:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size))
         # logits [rows, vocab] = table[last] + table[key]; the cheapest gather for each batch shape
         # (this is most of a simulated step), the same float additions either way
         if len(last) == 1:
-            return RunnerOutput(logits=(self.table[last[0]] + self.table[key[0]]).unsqueeze(0))
+            return RunnerOutput(logits=self.table_rows[last[0]] + self.table_rows[key[0]])
         rows = torch.index_select(self.table, 0, torch.tensor(last + key))
         return RunnerOutput(logits=rows[: len(last)] + rows[len(last) :])
+
+
+@lru_cache(maxsize=8)
+def _table_rows(vocab_size: int, seed: int, eos_bias: float) -> tuple[torch.Tensor, ...]:
+    """The table's rows as [1, vocab] views, split once for every run that shares the table."""
+    return _logit_table(vocab_size, seed, eos_bias).split(1)
 
 
 @lru_cache(maxsize=8)

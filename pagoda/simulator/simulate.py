@@ -61,6 +61,8 @@ class SimulationReport:
     generated_tokens: int
     prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache (prompt + output on a resume)
     prefix_hit_tokens: int  # of which were found there and not computed
+    draft_tokens: int  # n-gram drafts the greedy clients were given in padded rows (core/speculative.py)
+    accepted_tokens: int  # of which kept
     steps: int
     solo_steps: int  # the solo reruns' steps, all together
     simulated_seconds: float
@@ -115,6 +117,8 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
         generated_tokens=stats["generated_tokens_total"],
         prefix_queried_tokens=stats["prefix_cache_queried_tokens_total"],
         prefix_hit_tokens=stats["prefix_cache_hit_tokens_total"],
+        draft_tokens=stats["spec_decode_draft_tokens_total"],
+        accepted_tokens=stats["spec_decode_accepted_tokens_total"],
         steps=run.steps,
         solo_steps=solo_steps,
         simulated_seconds=round(run.clock.now, 6),
@@ -164,9 +168,8 @@ class _CrowdRun:
             self._expect(plan, self.clock.now + plan.arrival)
 
     def sent_plan(self, client_id: str) -> ClientPlan:
-        """The plan as it was sent: a follow-up carries the whole prompt it arrived with."""
-        plan = self.plans[client_id]
-        return replace(plan, prompt=tuple(self.prompts[client_id]), after=None) if plan.after else plan
+        """The plan as it was sent, carrying the whole prompt it arrived with (a follow-up's grew turn by turn)."""
+        return replace(self.plans[client_id], prompt=tuple(self.prompts[client_id]), after=None)
 
     def run(self) -> str:
         """Drive events and steps until the crowd has left; returns "ok" or what the audit found."""

@@ -281,3 +281,16 @@ def test_the_audit_catches_a_cached_block_that_is_still_being_written_or_not_the
     bm, a, b = shared_pool()
     with pytest.raises(AuditError, match="whose tokens are not its own"):
         bm.audit({"a": 9, "b": 9}, {"a": a.all_token_ids, "b": [7] * 9})
+
+
+def test_the_audit_catches_a_cached_block_that_does_not_chain_or_has_lost_its_key():
+    bm, a, b = shared_pool()
+    second = bm.block_table("a")[1]
+    del bm._cached[bm._hash_of[second]]
+    register(bm, second, 12345, tuple(a.all_token_ids[4:8]))  # a's own tokens, under another parent
+    with pytest.raises(AuditError, match="does not chain from the block before"):
+        audit(bm, a, b)
+    bm, a, b = shared_pool()
+    bm._key_of[bm.block_table("a")[1]] = None
+    with pytest.raises(AuditError, match="does not match the tokens"):
+        audit(bm, a, b)
