@@ -68,6 +68,11 @@ class EngineCollector(Collector):
                        s["prefix_cache_hit_tokens_total"])
         yield _gauge("pagoda_kv_blocks_cached_free", "Free KV blocks that still hold a cached prefix (evictable).",
                      s["kv_blocks_cached_free"])
+        # Speculative decoding (n-gram drafts in the padded rows): its acceptance rate is accepted / draft.
+        yield _counter("pagoda_spec_decode_draft_tokens", "Draft tokens proposed for verification.",
+                       s.get("spec_decode_draft_tokens_total", 0))
+        yield _counter("pagoda_spec_decode_accepted_tokens", "Draft tokens accepted (equal to the greedy token).",
+                       s.get("spec_decode_accepted_tokens_total", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -97,6 +102,14 @@ class Metrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.decode = Histogram("pagoda_request_decode_seconds", "Time from the first token to the request's end.",
                                 buckets=_LATENCY_BUCKETS, registry=r)
+        # Around the engine's stamps, the hops between the event loop and the engine thread (same clock, monotonic).
+        self.handoff = Histogram("pagoda_request_handoff_seconds", "Time from the handler submitting the request to"
+                                 " the engine thread taking it (it waits for the step in progress, and for a"
+                                 " constrained request's grammar compile).",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.delivery = Histogram("pagoda_request_first_token_delivery_seconds", "Time from the end of the step that"
+                                  " sampled the first token to its output reaching the event loop.",
+                                  buckets=_TOKEN_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pagoda_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pagoda_generation_tokens", "Tokens generated.", registry=r)
         self.finished = Counter("pagoda_requests_finished", "Requests that ran to their end, by finish reason.",
@@ -121,6 +134,7 @@ class Metrics:
                       record: AccessRecord) -> AsyncIterator[RequestOutput]:
         """Pass a request's outputs through, timing them; an early end is counted by its reason."""
         start = last = time.monotonic()
+        first_at = None  # when the first token's output reached this loop
         finished = False
         async with contextlib.aclosing(outputs):
             try:
@@ -128,6 +142,7 @@ class Metrics:
                     now = time.monotonic()
                     if record.completion_tokens == 0 and out.new_token_ids:
                         self.ttft.observe(now - start)
+                        first_at = now
                         self.prompt_tokens.inc(out.num_prompt_tokens)
                     elif out.new_token_ids:
                         self.inter_token.observe(now - last)
@@ -138,7 +153,7 @@ class Metrics:
                         finished = True
                         self.e2e.observe(now - start)
                         self.finished.labels(reason=out.finish_reason.value).inc()
-                        self._split(out)
+                        self._split(out, start, first_at)
                     yield out
             except (asyncio.CancelledError, GeneratorExit):
                 if not finished:
@@ -155,10 +170,13 @@ class Metrics:
                 raise
             # Anything else came from admission: a refused request is not an aborted one.
 
-    def _split(self, out: RequestOutput) -> None:
+    def _split(self, out: RequestOutput, submitted: float, first_at: float | None) -> None:
         times = out.times
         if times is None or times.queue_seconds is None or times.decode_seconds is None:
             return
+        self.handoff.observe(max(0.0, times.arrival - submitted))
+        if first_at is not None and times.first_token is not None:
+            self.delivery.observe(max(0.0, first_at - times.first_token))
         self.queue.observe(times.queue_seconds)
         self.prefill.observe(times.prefill_seconds)
         self.decode.observe(times.decode_seconds)

@@ -1,7 +1,8 @@
 """`pagoda bench serve`: load an OpenAI-compatible server over HTTP and measure what its clients see.
 
     target   --url (a running server), or a pagoda started here (`pagoda serve --port 0`, a child
-             process); --peer-url runs the same load against a second server, for pagoda / peer ratios
+             process); --peer-url runs the same load against a second server, for pagoda / peer ratios;
+             --offline-baseline the same load on the same engine without HTTP (serve_offline)
     load     closed-loop concurrency levels (--concurrency 1,4,16), or open-loop Poisson rates
              (--request-rate 2,8), or the chat workload's conversations (one level)
     measure  per request TTFT, inter-token gaps, TPOT, end to end (serve_client); per level
@@ -26,6 +27,8 @@ import httpx
 from pagoda.bench import serve_load as load
 from pagoda.bench.serve_baseline import baseline_lines, transformers_sequential
 from pagoda.bench.serve_client import Target, scrape_split, served_model, split_means
+from pagoda.bench.serve_offline import SERVER as OFFLINE, OfflineEngine, offline_engine
+from pagoda.bench.serve_offline import closed_loop as offline_loop, paired_lines, paired_ratios
 from pagoda.bench.serve_peer import peer_process
 from pagoda.bench.serve_report import summarize, table, turn_table, write_json, write_plots
 from pagoda.bench.serve_server import pagoda_subprocess, serve_command
@@ -53,6 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--peer-model-name")
     g.add_argument("--model", default="default", help="what the pagoda started here serves")
     g.add_argument("--dtype")
+    g.add_argument("--quantization", choices=("none", "int8", "int4", "auto"))
     g.add_argument("--num-blocks", type=int)
     g.add_argument("--max-running", type=int)
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -60,6 +64,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--server-ready-timeout", type=float, default=600.0, help="seconds for it (and a started peer) to be ready")
     g.add_argument("--transformers", action="store_true",
                    help="also time transformers' generate on the same prompts, one at a time (after the HTTP load)")
+    g.add_argument("--offline-baseline", action="store_true",
+                   help="also run each level's closed-loop load on the same engine in this process (no HTTP),"
+                        " interleaved with the served load; the table adds pagoda / offline rows")
+    g.add_argument("--offline-rounds", type=int, default=4, metavar="R",
+                   help="with --offline-baseline: each level alternates served and offline R times (a shared, noisy"
+                        " machine then loads both sides alike)")
     g = p.add_argument_group("load")
     g.add_argument("--workload", choices=WORKLOADS, default="synthetic")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -97,6 +107,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--peer-command needs --peer-url: where the peer it starts will listen")
     if args.transformers and args.workload == "chat":
         p.error("--transformers times completion prompts; the chat workload has none")
+    if args.offline_baseline and (args.url or args.request_rate or args.workload == "chat"):
+        p.error("--offline-baseline runs the closed-loop levels of the pagoda started here (no --url, --request-rate"
+                " or chat workload)")
+    if args.offline_rounds < 1:
+        p.error("--offline-rounds must be at least 1")
     if (args.workload == "crowd") != bool(args.crowd):
         p.error("--crowd FILE.json goes with --workload crowd, and that workload needs it")
     if min(args.num_requests, args.turns, args.conversations, args.output_len) < 1:
@@ -114,20 +129,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         convs = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.seed)
         with contextlib.ExitStack() as stack:
             url = args.url or stack.enter_context(pagoda_subprocess(
-                serve_command(args.model, dtype=args.dtype, num_blocks=args.num_blocks, max_running=args.max_running,
+                serve_command(args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, max_running=args.max_running,
                               extra=args.server_arg), args.server_ready_timeout))
             if args.peer_command:
                 stack.enter_context(peer_process(args.peer_command, args.peer_url, args.server_ready_timeout))
             targets = [Target("pagoda", url.rstrip("/"), api_key=args.api_key)]
             if args.peer_url:
                 targets.append(Target("peer", args.peer_url.rstrip("/"), api_key=args.peer_api_key))
-            summaries, records = asyncio.run(run(args, targets, prompts, convs))
+            offline = offline_engine(args.model, dtype=args.dtype, quantization=args.quantization,
+                                     max_running=args.max_running, prompts=prompts,
+                                     max_concurrency=int(max(args.concurrency))) if args.offline_baseline else None
+            summaries, records = asyncio.run(run(args, targets, prompts, convs, offline))
         # after the servers have stopped: the baseline gets the machine to itself
         baseline = transformers_sequential(resolve_model(args.model), prompts) if args.transformers else None
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"pagoda bench serve: {exc}", file=sys.stderr)
         return 2
-    print(table(summaries, with_peer=len(targets) > 1))
+    print(table(summaries, with_peer=len(targets) > 1 or args.offline_baseline))
+    if args.offline_baseline:
+        print()
+        print(paired_lines(summaries))
     if args.workload == "chat":
         print()
         print(turn_table(summaries))
@@ -147,6 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _round_sizes(num_requests: int, clients: int, rounds: int) -> list[int]:
+    """A level's requests split into up to `rounds` interleaved rounds of at least `clients` requests each."""
+    rounds = max(1, min(rounds, num_requests // max(clients, 1)))
+    return [num_requests // rounds + (i < num_requests % rounds) for i in range(rounds)]
+
+
 def _levels(args: argparse.Namespace) -> tuple[str, list[float]]:
     if args.workload == "chat":
         return "conversations", [float(args.conversations)]
@@ -156,8 +183,8 @@ def _levels(args: argparse.Namespace) -> tuple[str, list[float]]:
 
 
 async def run(args: argparse.Namespace, targets: list[Target], prompts: list[Prompt],
-              convs: list[Conversation]) -> tuple[list[dict[str, Any]], list]:
-    """Every level against every target, in turn; returns (summaries, records)."""
+              convs: list[Conversation], offline: OfflineEngine | None = None) -> tuple[list[dict[str, Any]], list]:
+    """Every level against every target in turn (and `offline`, interleaved with them); returns (summaries, records)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + args.deadline
     cfg = load.LoadConfig(endpoint=args.endpoint, temperature=args.temperature,
@@ -177,17 +204,31 @@ async def run(args: argparse.Namespace, targets: list[Target], prompts: list[Pro
         for level, num_requests in zip(levels, (int(n) for n in per_level)):
             if loop.time() >= deadline:
                 break  # the deadline has passed: the levels left are not run
-            for target in targets:
-                before = await scrape_split(http, target)
-                if kind == "conversations":
-                    result = await load.chat(http, target, cfg, convs, args.output_len, deadline)
-                elif kind == "rate":
-                    result = await load.open_loop(http, target, cfg, prompts, args.num_requests, level, args.seed,
-                                                  deadline)
-                else:
-                    result = await load.closed_loop(http, target, cfg, prompts, num_requests, int(level), deadline)
-                split = split_means(before, await scrape_split(http, target))
-                summaries.append(summarize(target.name, kind, level, result, split, slo_ttft_ms=args.slo_ttft_ms,
+            befores = {target.name: await scrape_split(http, target) for target in targets}
+            runs: dict[str, list[load.LevelRun]] = {}
+            first = 0
+            for size in _round_sizes(num_requests, int(level), args.offline_rounds if offline is not None else 1):
+                for target in targets:
+                    if kind == "conversations":
+                        part = await load.chat(http, target, cfg, convs, args.output_len, deadline)
+                    elif kind == "rate":
+                        part = await load.open_loop(http, target, cfg, prompts, args.num_requests, level, args.seed,
+                                                    deadline)
+                    else:
+                        part = await load.closed_loop(http, target, cfg, prompts, size, int(level), deadline, first)
+                    runs.setdefault(target.name, []).append(part)
+                if offline is not None:  # the servers are idle meanwhile: their OpenMP threads sleep
+                    part = await asyncio.to_thread(offline_loop, offline, prompts, size, int(level), args.temperature,
+                                                   warm_up=first == 0 and not args.no_warmup, first=first)
+                    runs.setdefault(OFFLINE, []).append(part)
+                first += size
+            for name, parts in runs.items():
+                target = next((t for t in targets if t.name == name), None)
+                split = None if target is None else split_means(befores[name], await scrape_split(http, target))
+                result = load.merged(parts)
+                summaries.append(summarize(name, kind, level, result, split, slo_ttft_ms=args.slo_ttft_ms,
                                            slo_tpot_ms=args.slo_tpot_ms))
+                if name == OFFLINE:
+                    summaries[-1]["paired"] = paired_ratios(runs["pagoda"], parts)
                 records += result.records
     return summaries, records

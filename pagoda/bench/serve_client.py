@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SPLIT = ("queue", "prefill", "decode")  # pagoda_request_{name}_seconds
+HOPS = ("handoff", "first_token_delivery")  # the same, where the server has them: event loop <-> engine thread
 
 
 @dataclass
@@ -155,11 +156,11 @@ async def scrape_split(http: httpx.AsyncClient, target: Target) -> dict[str, tup
     found: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(resp.text):
         for s in family.samples:
-            for name in SPLIT:
+            for name in SPLIT + HOPS:
                 base = f"pagoda_request_{name}_seconds"
                 if s.name in (base + "_sum", base + "_count"):
                     found.setdefault(name, [0.0, 0.0])[s.name.endswith("_count")] = s.value
-    return {k: (v[0], v[1]) for k, v in found.items()} if len(found) == len(SPLIT) else None
+    return {k: (v[0], v[1]) for k, v in found.items()} if all(k in found for k in SPLIT) else None
 
 
 def split_means(before: dict | None, after: dict | None) -> dict[str, float] | None:
@@ -167,7 +168,7 @@ def split_means(before: dict | None, after: dict | None) -> dict[str, float] | N
     if before is None or after is None:
         return None
     means = {}
-    for name in SPLIT:
+    for name in [*SPLIT, *(h for h in HOPS if h in before and h in after)]:
         total, count = after[name][0] - before[name][0], after[name][1] - before[name][1]
         means[name] = total / count if count else None
     return means

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
@@ -42,6 +43,13 @@ class LevelRun:
     records: list[RequestRecord] = field(default_factory=list)
     duration: float = 0.0  # from the level's start to its last request's end
     deadline_hit: bool = False
+    client_cpu: float = 0.0  # CPU seconds this process (the load's client) spent meanwhile: it shares the machine
+
+
+def merged(runs: list[LevelRun]) -> LevelRun:
+    """One level run in several rounds, as one: every record, the rounds' durations added."""
+    return LevelRun([r for run in runs for r in run.records], sum(run.duration for run in runs),
+                    any(run.deadline_hit for run in runs), sum(run.client_cpu for run in runs))
 
 
 class _Level:
@@ -52,6 +60,7 @@ class _Level:
         self.http, self.target, self.cfg, self.level = http, target, cfg, level
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
+        self.cpu0 = time.process_time()
         self.run = LevelRun()
         self.bar = tqdm(total=total, desc=f"{target.name} {label}", leave=False, disable=not cfg.progress)
 
@@ -73,14 +82,15 @@ class _Level:
             self.run.duration = self.loop.time() - self.t0
         finally:
             self.bar.close()
+            self.run.client_cpu = time.process_time() - self.cpu0
         return self.run
 
 
 async def closed_loop(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompts: list[Prompt],
-                      num_requests: int, concurrency: int, deadline: float) -> LevelRun:
-    """`concurrency` clients, back to back, until `num_requests` were sent."""
+                      num_requests: int, concurrency: int, deadline: float, first: int = 0) -> LevelRun:
+    """`concurrency` clients, back to back, until `num_requests` were sent (request indices from `first`)."""
     level = _Level(http, target, cfg, concurrency, num_requests, f"concurrency={concurrency}")
-    counter = iter(range(num_requests))
+    counter = iter(range(first, first + num_requests))
 
     async def client() -> None:
         for i in counter:  # shared: each index is taken by exactly one client

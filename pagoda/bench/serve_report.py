@@ -22,6 +22,7 @@ COLUMNS = (("req/s", "req_per_s", None), ("out tok/s", "out_tok_per_s", None),
            ("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p99 ms", "ttft_ms", "p99"),
            ("ITL p50 ms", "itl_ms", "p50"), ("ITL p99 ms", "itl_ms", "p99"),
            ("TPOT p50 ms", "tpot_ms", "p50"), ("e2e p50 ms", "e2e_ms", "p50"))
+OTHERS = ("peer", "offline")  # what pagoda's rows are divided by: a second server, the same engine without HTTP
 
 
 def latency_ms(values: list[float]) -> dict[str, float] | None:
@@ -54,6 +55,8 @@ def summarize(server: str, kind: str, level: float, run: LevelRun, split: dict[s
         "ttft_ms": latency_ms([r.ttft for r in ok]), "itl_ms": latency_ms([g for r in ok for g in r.itl]),
         "tpot_ms": latency_ms([r.tpot for r in ok if r.tpot is not None]), "e2e_ms": latency_ms([r.e2e for r in ok]),
         "goodput_req_per_s": None,
+        "client_cpu_ms_per_token": (run.client_cpu * 1000.0 / tokens
+                                    if (tokens := sum(r.output_tokens or 0 for r in ok)) and run.client_cpu else None),
         "server_split_ms": None if split is None else {k: None if v is None else v * 1000.0 for k, v in split.items()},
         "errors": sorted({r.error for r in run.records if r.error})[:5],
     }
@@ -81,11 +84,11 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None
     return out
 
 
-def level_ratios(summaries: list[dict[str, Any]]) -> dict[float, dict[str, float | None]]:
-    """pagoda / peer per level, for the levels both servers ran."""
+def level_ratios(summaries: list[dict[str, Any]], other: str = "peer") -> dict[float, dict[str, float | None]]:
+    """pagoda / `other` (the peer, or the offline engine) per level, for the levels both ran."""
     by = {(s["server"], s["level"]): s for s in summaries}
-    return {level: ratios(by["pagoda", level], by["peer", level])
-            for level in sorted({s["level"] for s in summaries}) if ("pagoda", level) in by and ("peer", level) in by}
+    return {level: ratios(by["pagoda", level], by[other, level])
+            for level in sorted({s["level"] for s in summaries}) if ("pagoda", level) in by and (other, level) in by}
 
 
 def _fmt(v: float | None, ratio: bool = False) -> str:
@@ -104,7 +107,7 @@ def table(summaries: list[dict[str, Any]], with_peer: bool) -> str:
     head = ([kind] + (["server"] if with_peer else []) + ["ok"] + [c[0] for c in COLUMNS]
             + (["goodput req/s"] if has_goodput else []) + (["queue / prefill / decode ms"] if has_split else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    all_ratios = level_ratios(summaries) if with_peer else {}
+    all_ratios = {other: level_ratios(summaries, other) for other in OTHERS} if with_peer else {}
     for level in sorted({s["level"] for s in summaries}):
         rows = {s["server"]: s for s in summaries if s["level"] == level}
         for s in rows.values():
@@ -114,13 +117,18 @@ def table(summaries: list[dict[str, Any]], with_peer: bool) -> str:
                 cells.append(_fmt(s["goodput_req_per_s"]))
             if has_split:
                 split = s["server_split_ms"]
-                cells.append(" / ".join(_fmt(split[k]) for k in ("queue", "prefill", "decode")) if split else "-")
+                cell = " / ".join(_fmt(split[k]) for k in ("queue", "prefill", "decode")) if split else "-"
+                if split and "handoff" in split:  # the hops between the event loop and the engine thread
+                    cell += (f" (handoff {_fmt(split['handoff'])},"
+                             f" 1st-token delivery {_fmt(split.get('first_token_delivery'))})")
+                cells.append(cell)
             lines.append("| " + " | ".join(cells) + " |")
-        if level in all_ratios:
-            r = all_ratios[level]
-            cells = [f"{level:g}", "pagoda / peer", ""] + [_fmt(r[c[0]], ratio=True) for c in COLUMNS]
-            cells += [""] * (has_goodput + has_split)
-            lines.append("| " + " | ".join(cells) + " |")
+        for other, by_level in all_ratios.items():
+            if level in by_level:
+                r = by_level[level]
+                cells = [f"{level:g}", f"pagoda / {other}", ""] + [_fmt(r[c[0]], ratio=True) for c in COLUMNS]
+                cells += [""] * (has_goodput + has_split)
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -139,6 +147,7 @@ def write_json(path: str | Path, config: dict[str, Any], summaries: list[dict[st
     """The result file: the run's settings, every summary, the pagoda / peer ratios, every per-request record."""
     result = {"config": config, "summaries": summaries,
               "ratios": [{"level": level, **r} for level, r in level_ratios(summaries).items()],
+              "offline_ratios": [{"level": level, **r} for level, r in level_ratios(summaries, "offline").items()],
               "records": [r.to_json() for r in records]}
     if baseline is not None:
         result["baseline"] = baseline

@@ -21,12 +21,13 @@ from contextlib import contextmanager
 READY = re.compile(r"pagoda serving .* at (http://\S+)")
 
 
-def serve_command(model: str, *, dtype: str | None = None, num_blocks: int | None = None,
+def serve_command(model: str, *, dtype: str | None = None, quantization: str | None = None, num_blocks: int | None = None,
                   max_running: int | None = None, extra: Sequence[str] = ()) -> list[str]:
     """The `pagoda serve` command line; `extra` (--server-arg) comes last, so it overrides."""
     cmd = [sys.executable, "-m", "pagoda", "serve", "--host", "127.0.0.1", "--port", "0", "--model", model,
            "--log-level", "warning"]  # no access log line per request in the numbers
-    for flag, value in (("--dtype", dtype), ("--num-blocks", num_blocks), ("--max-running", max_running)):
+    for flag, value in (("--dtype", dtype), ("--quantization", quantization), ("--num-blocks", num_blocks),
+                        ("--max-running", max_running)):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + list(extra)

@@ -172,3 +172,33 @@ def test_each_concurrency_level_can_send_its_own_number_of_requests(tiny_server,
     assert sorted((r["level"], r["index"]) for r in result["records"]) == [(1, 0), (1, 1), (3, 0), (3, 1), (3, 2)]
     with pytest.raises(SystemExit):
         main(["--url", tiny_server.url, "--concurrency", "1,3", "--num-requests-per-level", "2"])
+
+
+def test_the_offline_baseline_runs_the_same_load_interleaved_and_gives_ratios(tiny_model_dir: Path, tmp_path: Path,
+                                                                               capsys):
+    result = run_bench(tmp_path, "--model", str(tiny_model_dir), "--num-blocks", "64", "--max-running", "8",
+                       "--concurrency", "1,2", "--num-requests", "4", "--offline-baseline", "--offline-rounds", "2")
+    by_server = {}
+    for r in result["records"]:
+        assert r["ok"] and r["error"] is None and r["output_tokens"] == 4 and r["prompt_tokens"] > 0, r
+        assert 0 < r["ttft"] <= r["e2e"]
+        by_server.setdefault(r["server"], []).append((r["level"], r["index"]))
+    expected = [(lv, i) for lv in (1, 2) for i in range(4)]  # every request once, across the rounds
+    assert sorted(by_server["pagoda"]) == sorted(by_server["offline"]) == expected
+    offline = [s for s in result["summaries"] if s["server"] == "offline"]
+    assert [s["level"] for s in offline] == [1, 2]
+    assert all(s["ok"] == 4 and s["server_split_ms"] is None for s in offline)
+    assert [len(s["paired"]["rounds"]) for s in offline] == [2, 2]  # 4 requests: 2 rounds of 2 (of 2 clients each)
+    assert all(s["paired"]["median"]["out_tok_per_s"] > 0 for s in offline)
+    assert [r["level"] for r in result["offline_ratios"]] == [1, 2]
+    assert all(r["out tok/s"] > 0 for r in result["offline_ratios"])
+    out = capsys.readouterr().out
+    assert "| 1 | offline | 4/4 |" in out and "| 2 | pagoda / offline |" in out
+    assert "concurrency 2: pagoda / offline, median of 2 interleaved rounds: out tok/s" in out
+
+
+def test_the_offline_baseline_needs_the_pagoda_started_here(tiny_server):
+    with pytest.raises(SystemExit):
+        main(["--url", tiny_server.url, "--offline-baseline"])
+    with pytest.raises(SystemExit):
+        main(["--offline-baseline", "--offline-rounds", "0"])

@@ -70,3 +70,25 @@ def test_split_means_are_per_request_between_two_scrapes():
     assert split_means(before, after) == {"queue": 0.25, "prefill": 0.5, "decode": 3.0}
     assert split_means(before, before) == {"queue": None, "prefill": None, "decode": None}
     assert split_means(None, after) is None  # not a pagoda: no histograms
+
+
+def test_metrics_observe_the_hops_between_the_event_loop_and_the_engine_thread():
+    import time
+
+    async def consume():
+        async def gen():
+            t0 = time.monotonic()  # after observe's own start: the handler submitted before this
+            times = RequestTimes(arrival=t0 + 0.25, scheduled=t0 + 0.5, first_token=t0 - 1.0, finished=t0 + 2.0)
+            yield RequestOutput("r", [7], "a", False, None, 5, 1)
+            yield RequestOutput("r", [8], "b", True, FinishReason.LENGTH, 5, 2, times=times)
+        return [o async for o in metrics.observe(gen(), AccessRecord())]
+
+    metrics = Metrics()
+    asyncio.run(consume())
+    h = _histograms(metrics)
+    assert h["pagoda_request_handoff_seconds_count"] == h["pagoda_request_first_token_delivery_seconds_count"] == 1
+    assert h["pagoda_request_handoff_seconds_sum"] == pytest.approx(0.25, abs=0.05)  # arrival - submitted
+    assert h["pagoda_request_first_token_delivery_seconds_sum"] == pytest.approx(1.0, abs=0.05)  # reached - stamped
+    before = {k: (0.0, 0.0) for k in ("queue", "prefill", "decode", "handoff", "first_token_delivery")}
+    after = {**before, "queue": (1.0, 2.0), "handoff": (0.5, 2.0), "first_token_delivery": (0.25, 2.0)}
+    assert split_means(before, after)["handoff"] == 0.25 and split_means(before, after)["first_token_delivery"] == 0.125
