@@ -29,8 +29,8 @@ ALLOWED = {
 # Modules that must import without torch: the simulator drives the first, any plugin loads the second.
 TORCH_FREE = ["core/request.py", "core/block_manager.py", "core/block_hash.py", "core/scheduler.py",
               "core/batch.py", "core/engine_config.py", "core/outputs.py", "core/sampling_params.py",
-              "core/constraint.py", "plugins/protocol.py", "plugins/hookspecs.py", "plugins/manager.py",
-              "plugins/client.py", "plugins/route.py", "plugins/disconnect.py"]
+              "core/constraint.py", "plugins/protocol.py", "plugins/request_fields.py", "plugins/hookspecs.py",
+              "plugins/manager.py", "plugins/client.py", "plugins/route.py", "plugins/disconnect.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
