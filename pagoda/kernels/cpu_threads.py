@@ -10,7 +10,7 @@ work itself for the small ops of a decode or a short prefill: a tiny attention
 256 x 1536 values was still faster on one thread (measured, torch 2.13,
 PASSIVE). So the step runs its elementwise work and its attention on one
 thread while the work is small, and the matrix products of the linear layers,
-which are big enough to share, on all threads (`all_threads` inside a
+which are big enough to share, on all threads (`wide` inside a
 `few_threads` block). Switching costs about 0.3 us.
 
 Thread counts never change a row's bits: elementwise ops compute each element
@@ -35,7 +35,7 @@ SMALL_ROWS = 256
 SMALL_SCORES = 1 << 19
 
 T = TypeVar("T")
-_outer = threading.local()  # per runner thread: the thread count `all_threads` restores
+_outer = threading.local()  # per runner thread: the thread count `wide` restores
 
 
 @contextmanager
@@ -54,7 +54,7 @@ def threads(n: int) -> Iterator[None]:
 
 @contextmanager
 def few_threads(small: bool) -> Iterator[None]:
-    """One thread for the block when its work is `small`; `all_threads` inside it restores the full count."""
+    """One thread for the block when its work is `small`; `wide` inside it restores the full count."""
     previous = getattr(_outer, "full", None)  # set when nested in another few_threads block
     full = torch.get_num_threads() if previous is None else previous
     _outer.full = full
@@ -65,16 +65,8 @@ def few_threads(small: bool) -> Iterator[None]:
         _outer.full = previous
 
 
-@contextmanager
-def all_threads() -> Iterator[None]:
-    """All threads for a big product (a linear layer) inside a `few_threads` block; a no-op outside one."""
-    full = getattr(_outer, "full", None)
-    with threads(full if full is not None else torch.get_num_threads()):
-        yield
-
-
 def wide(fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on all threads inside a `few_threads` block (`all_threads` without a generator's cost)."""
+    """fn(*args) on all threads inside a `few_threads` block (no generator on the hot path)."""
     full = getattr(_outer, "full", None)
     now = torch.get_num_threads()
     if full is None or full == now:

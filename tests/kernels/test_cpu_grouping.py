@@ -8,7 +8,7 @@ import torch
 import pagoda.kernels.cpu_plan as plan_mod
 from pagoda.kernels.cpu_attention import CpuBackend
 from pagoda.kernels.cpu_plan import AttentionPlan
-from pagoda.kernels.cpu_threads import all_threads, few_threads, threads
+from pagoda.kernels.cpu_threads import few_threads, threads, wide
 
 from .attention_world import World
 from .test_cpu_attention import run_cpu
@@ -89,13 +89,11 @@ def test_few_threads_runs_small_work_on_one_thread_and_restores_the_count():
     with threads(2):
         with few_threads(True):
             assert torch.get_num_threads() == 1
-            with all_threads():
-                assert torch.get_num_threads() == 2
+            assert wide(torch.get_num_threads) == 2
             with few_threads(False):  # nested: the full count is the outer block's
                 assert torch.get_num_threads() == 2
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
         with few_threads(False):
             assert torch.get_num_threads() == 2
-        with all_threads():  # outside a few_threads block: unchanged
-            assert torch.get_num_threads() == 2
+        assert wide(torch.get_num_threads) == 2  # outside a few_threads block: unchanged
