@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda.api.stream_writer import ENCODERS
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.outputs import RequestOutput, SampledToken
+from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.tool_parsers import HERMES
 from pagoda.plugins.client import ClientAnswer, line_data
 from pagoda.plugins.choices import fan_out
-from pagoda.plugins.protocol import Call, Completion, Endpoint, Event, ServeContext
+from pagoda.plugins.protocol import Answer, Endpoint, Event, Exchange, ServeContext
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
 
 
@@ -163,6 +163,7 @@ class FakeTokenizer:
     """One token per character (id = code point); a chat is its messages as `<role>content`, then `<assistant>`."""
 
     has_chat_template = True
+    chat_template_takes_tools = False
 
     def __init__(self) -> None:
         self.chats: list[list[dict[str, str]]] = []  # every conversation encode_chat was given
@@ -190,24 +191,24 @@ def decode(endpoint: Endpoint, body: dict[str, Any]) -> Any:
     return msgspec.json.decode(msgspec.json.encode(body), type=endpoint.body_type)
 
 
-def prepared(endpoint: Endpoint, body: dict[str, Any], ctx: ServeContext | None = None) -> Call:
-    """The Call the renderers see for this body: decoded, prepared, with an id and a model name."""
+def prepared(endpoint: Endpoint, body: dict[str, Any], ctx: ServeContext | None = None) -> Exchange:
+    """The Exchange the renderers see for this body: decoded, prepared, with an id and a model name."""
     ctx = ctx or context()
     struct = decode(endpoint, body)
-    choices = fan_out(endpoint.prepare(struct, ctx))  # one Generation per choice, as the server makes them
-    return Call(id=endpoint.new_id(), created=1700000000, model=ctx.model_name, body=struct, generation=choices[0],
+    choices = fan_out(endpoint.prepare(struct, ctx))  # one EngineRequest per choice, as the server makes them
+    return Exchange(id=endpoint.new_id(), created=1700000000, model=ctx.model_name, body=struct, request=choices[0],
                 tokenizer=ctx.tokenizer, choices=choices)
 
 
-def outputs(call: Call, texts: Sequence[str], reason: FinishReason = FinishReason.LENGTH,
-            stop_reason: str | int | None = None, logprobs: bool = False, cached: int = 0) -> list[RequestOutput]:
+def outputs(call: Exchange, texts: Sequence[str], reason: FinishReason = FinishReason.LENGTH,
+            stop_reason: str | int | None = None, logprobs: bool = False, cached: int = 0) -> list[AnswerDelta]:
     """One output per text (one token each, id = its first character), the last one finished with `reason`;
     `cached` prompt tokens found in the prefix cache."""
     outs = []
     for i, text in enumerate(texts):
         last = i == len(texts) - 1
         token = ord(text[0]) if text else 1
-        outs.append(RequestOutput(
+        outs.append(AnswerDelta(
             request_id=call.id, new_token_ids=[token], new_text=text, finished=last,
             finish_reason=reason if last else None, num_prompt_tokens=call.num_prompt_tokens,
             num_output_tokens=i + 1, stop_reason=stop_reason if last else None, num_cached_tokens=cached,
@@ -215,12 +216,12 @@ def outputs(call: Call, texts: Sequence[str], reason: FinishReason = FinishReaso
     return outs
 
 
-def completion(call: Call, texts: Sequence[str], **kw: Any) -> Completion:
+def completion(call: Exchange, texts: Sequence[str], **kw: Any) -> Answer:
     """The unary renderers' view of the same outputs."""
-    return Completion.from_outputs(outputs(call, texts, **kw))
+    return Answer.from_deltas(outputs(call, texts, **kw))
 
 
-def stream(endpoint: Endpoint, call: Call, outs: Sequence[RequestOutput]) -> list[Event]:
+def stream(endpoint: Endpoint, call: Exchange, outs: Sequence[AnswerDelta]) -> list[Event]:
     """Every event render_stream produces from these outputs."""
     async def collect() -> list[Event]:
         async def feed():

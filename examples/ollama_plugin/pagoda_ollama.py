@@ -19,8 +19,9 @@ import msgspec
 from pagoda.core.request import FinishReason
 from pagoda.plugins import hookimpl
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, ErrorShape
-from pagoda.plugins.protocol import Event, Generation, RequestError, ServeContext, make_sampling_params
+from pagoda.plugins.protocol import Answer, ApiError, Endpoint, ErrorShape, Exchange
+from pagoda.plugins.protocol import EngineRequest, Event, ServeContext
+from pagoda.plugins.request_fields import RequestError, make_sampling_params
 
 
 class Options(msgspec.Struct):
@@ -91,26 +92,26 @@ class _OllamaEndpoint(Endpoint):
     stream_format = "ndjson"
     errors = OLLAMA_ERRORS
 
-    def _piece(self, call: Call, text: str) -> dict[str, Any]:
+    def _piece(self, exchange: Exchange, text: str) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _done(self, call: Call, reason: FinishReason, num_prompt: int, num_output: int,
+    def _done(self, exchange: Exchange, reason: FinishReason, num_prompt: int, num_output: int,
               text: str = "") -> dict[str, Any]:
-        body = self._piece(call, text)
+        body = self._piece(exchange, text)
         body.update(done=True, done_reason="length" if reason is FinishReason.LENGTH else "stop",
                     prompt_eval_count=num_prompt, eval_count=num_output)
         return body
 
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        return self._done(call, completion.finish_reason, completion.num_prompt_tokens, completion.num_output_tokens,
-                          completion.text)
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        return self._done(exchange, answer.finish_reason, answer.num_prompt_tokens, answer.num_output_tokens,
+                          answer.text)
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator) -> AsyncIterator[Event]:
+    async def render_stream(self, exchange: Exchange, outputs: AsyncIterator) -> AsyncIterator[Event]:
         async for out in outputs:
             if out.new_text:
-                yield Event(self._piece(call, out.new_text))
+                yield Event(self._piece(exchange, out.new_text))
             if out.finished:
-                yield Event(self._done(call, out.finish_reason, out.num_prompt_tokens, out.num_output_tokens))
+                yield Event(self._done(exchange, out.finish_reason, out.num_prompt_tokens, out.num_output_tokens))
 
     # -- the client half ----------------------------------------------------
     def _client_options(self, ask: ClientRequest) -> dict[str, Any]:
@@ -151,16 +152,16 @@ class Generate(_OllamaEndpoint):
     path = "/api/generate"
     body_type = GenerateRequest
 
-    def prepare(self, body: GenerateRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: GenerateRequest, ctx: ServeContext) -> EngineRequest:
         if body.raw:
             ids = ctx.encode(body.prompt)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             ids = ctx.encode_chat(system + [{"role": "user", "content": body.prompt}])
-        return Generation(ids, _params(body.options, len(ids), ctx), stream=body.stream)
+        return EngineRequest(ids, _params(body.options, len(ids), ctx), stream=body.stream)
 
-    def _piece(self, call: Call, text: str) -> dict[str, Any]:
-        return {"model": call.model, "created_at": _now(), "response": text, "done": False}
+    def _piece(self, exchange: Exchange, text: str) -> dict[str, Any]:
+        return {"model": exchange.model, "created_at": _now(), "response": text, "done": False}
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
         return {**self._client_options(ask), "prompt": ask.flat_prompt}
@@ -175,14 +176,14 @@ class Chat(_OllamaEndpoint):
     path = "/api/chat"
     body_type = ChatRequest
 
-    def prepare(self, body: ChatRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: ChatRequest, ctx: ServeContext) -> EngineRequest:
         if not body.messages:
             raise RequestError("messages must hold at least one message", "messages")
         ids = ctx.encode_chat([{"role": m.role, "content": m.content} for m in body.messages])
-        return Generation(ids, _params(body.options, len(ids), ctx), stream=body.stream)
+        return EngineRequest(ids, _params(body.options, len(ids), ctx), stream=body.stream)
 
-    def _piece(self, call: Call, text: str) -> dict[str, Any]:
-        return {"model": call.model, "created_at": _now(), "message": {"role": "assistant", "content": text},
+    def _piece(self, exchange: Exchange, text: str) -> dict[str, Any]:
+        return {"model": exchange.model, "created_at": _now(), "message": {"role": "assistant", "content": text},
                 "done": False}
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:

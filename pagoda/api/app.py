@@ -51,13 +51,13 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
         raise ValueError(f"disconnect_policy {settings.disconnect_policy!r} is not registered"
                          f" (registered: {', '.join(sorted(policies)) or 'none'})")
     parsers = collect_tool_parsers(plugin_manager)
-    if settings.tool_parser not in parsers:
+    if settings.tool_parser is not None and settings.tool_parser not in parsers:
         raise ValueError(f"tool_parser {settings.tool_parser!r} is not registered"
-                         f" (registered: {', '.join(sorted(parsers)) or 'none'})")
+                         f" (registered: {', '.join(sorted(parsers)) or 'none'}; 'none' serves no tools)")
     config = async_engine.engine.config
     context = ServeContext(tokenizer=tokenizer, model_name=settings.served_model_name,
                            max_model_len=config.max_model_len, max_kv_tokens=config.num_slots,
-                           limits=settings.request_limits, tool_parser=parsers[settings.tool_parser])
+                           limits=settings.request_limits, tool_parser=parsers[settings.tool_parser] if settings.tool_parser else None)
     metrics = Metrics()
     services = Services(engine=async_engine, context=context, metrics=metrics,
                         policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout,

@@ -27,7 +27,8 @@ import msgspec
 from litestar import Request, Response
 
 from pagoda.api.errors import api_error, error_response
-from pagoda.plugins.protocol import Endpoint, RequestError
+from pagoda.plugins.protocol import Endpoint
+from pagoda.plugins.request_fields import RequestError
 
 logger = logging.getLogger("pagoda.api")
 

@@ -21,8 +21,9 @@ from litestar.exceptions import HTTPException, ValidationException
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.constraint import ConstraintError
 from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded, QueueFull
-from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
-from pagoda.plugins.protocol import ApiError, ErrorShape, RequestError
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
+from pagoda.plugins.protocol import ApiError, ErrorShape
+from pagoda.plugins.request_fields import RequestError
 
 logger = logging.getLogger("pagoda.api")
 

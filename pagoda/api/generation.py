@@ -1,13 +1,13 @@
 """The one handler every protocol endpoint runs through, and the life of its engine request.
 
-    handler   body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
-              -> endpoint.prepare -> a GenerationResponse; nothing has reached the engine yet
-    exchange  (the response's ASGI call) the job, a task consuming engine.generate's outputs
-              through metrics.observe (one engine request per choice), raced against the client leaving:
-      unary   the whole generation -> endpoint.render -> one JSON write
-      stream  admission -> 200, a keep-alive comment -> endpoint.render_stream's events as they come
+    handler    body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
+               -> endpoint.prepare -> an Exchange in a GenerationResponse; nothing has reached the engine yet
+    responder  (the response's ASGI call) the job, a task consuming engine.generate's answer deltas
+               through metrics.observe (one engine request per choice), raced against the client leaving:
+      unary    the whole answer -> endpoint.render -> one JSON write
+      stream   admission -> 200, a keep-alive comment -> endpoint.render_stream's events as they come
 
-The request's whole life is one ASGI call, `Exchange.__call__`, so its end is
+The request's whole life is one ASGI call, `Responder.__call__`, so its end is
 one `finally`: the job is cancelled there unless it finished, and cancelling
 the job aborts the engine request. Every exit goes through it: a return, an
 exception, the handler's own cancellation, a failed or stalled write. A
@@ -46,11 +46,12 @@ from pagoda.api.errors import ERRORS_OPT, api_error, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.core.async_engine import AsyncEngine
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.choices import fan_out
-from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, Generation, RequestError, ServeContext
+from pagoda.plugins.protocol import Answer, ApiError, Endpoint, EngineRequest, Exchange, ServeContext
+from pagoda.plugins.request_fields import RequestError
 
 logger = logging.getLogger("pagoda.api")
 
@@ -94,15 +95,15 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
     try:
         model = served_model(services, getattr(body, "model", None))
         prepared = endpoint.prepare(body, services.context)
-        for generation in [prepared] if isinstance(prepared, Generation) else prepared:
-            generation.sampling_params = with_generation_defaults(body, generation.sampling_params,
+        for engine_request in [prepared] if isinstance(prepared, EngineRequest) else prepared:
+            engine_request.sampling_params = with_generation_defaults(body, engine_request.sampling_params,
                                                                   services.generation_defaults)
         choices = fan_out(prepared)  # one engine request per choice, in the response's index order
     except Exception as exc:
         return error_response(endpoint.errors, api_error(exc))
-    call = Call(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
-                generation=choices[0], tokenizer=services.context.tokenizer, choices=choices)
-    return GenerationResponse(Exchange(endpoint, services, call, request))
+    exchange = Exchange(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
+                        request=choices[0], tokenizer=services.context.tokenizer, choices=choices)
+    return GenerationResponse(Responder(endpoint, services, exchange, request))
 
 
 def served_model(services: Services, asked: str | None) -> str:
@@ -132,23 +133,23 @@ def _unavailable(services: Services) -> tuple[str, str] | None:
 
 
 class GenerationResponse(Response[Any]):
-    """A Litestar Response whose ASGI side is an Exchange: Litestar only hands it the connection."""
+    """A Litestar Response whose ASGI side is a Responder: Litestar only hands it the connection."""
 
-    def __init__(self, exchange: Exchange) -> None:
+    def __init__(self, responder: Responder) -> None:
         super().__init__(content=None)
-        self.exchange = exchange
+        self.responder = responder
 
     def to_asgi_response(self, app: Any, request: Request, **_: Any) -> ASGIApp:
-        return self.exchange
+        return self.responder
 
 
-class Exchange:
+class Responder:
     """One generation request, from admission to its last write: an ASGI app called once."""
 
-    def __init__(self, endpoint: Endpoint, services: Services, call: Call, request: Request) -> None:
+    def __init__(self, endpoint: Endpoint, services: Services, exchange: Exchange, request: Request) -> None:
         self.endpoint = endpoint
         self.services = services
-        self.call = call
+        self.exchange = exchange
         self.request = request
         self.record = access_record(request.scope)
 
@@ -172,7 +173,7 @@ class Exchange:
 
         One job for all of a request's choices (one engine request each): it is admitted once every choice
         is, and its cancellation, or one choice failing, ends them all."""
-        choices = self.call.choices
+        choices = self.exchange.choices
         tenant = key_tenant(self.request, self.services.api_key)
         waiting = [len(choices)]
 
@@ -183,11 +184,11 @@ class Exchange:
 
         outputs = [self.services.metrics.observe(
             self.services.engine.generate(g.prompt_token_ids, g.sampling_params,
-                                          self.call.id if len(choices) == 1 else f"{self.call.id}-{k}",
+                                          self.exchange.id if len(choices) == 1 else f"{self.exchange.id}-{k}",
                                           on_admitted=on_admitted, cache_salt=g.cache_salt, tenant=tenant),
             self.record) for k, g in enumerate(choices)]
         mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
-        if not self.call.generation.stream:
+        if not self.exchange.request.stream:
             return asyncio.ensure_future(_collect_all(outputs)), mailbox
         job = asyncio.ensure_future(self._pump(outputs, admitted, mailbox))
         job.add_done_callback(lambda _: mailbox.put_nowait(END))
@@ -198,7 +199,7 @@ class Exchange:
                        watch: ClientWatch, writer: ResponseWriter) -> None:
         """Write the response; a refusal (or a failure before anything was written) gets its error status."""
         try:
-            if self.call.generation.stream:
+            if self.exchange.request.stream:
                 await self._stream(job, admitted, mailbox, watch, writer)
             else:
                 await self._unary(job, watch, writer)
@@ -209,9 +210,9 @@ class Exchange:
                 raise
             await self._answer(error_response(self.endpoint.errors, api_error(exc)), writer)
 
-    async def _unary(self, job: asyncio.Future[list[Completion]], watch: ClientWatch, writer: ResponseWriter) -> None:
+    async def _unary(self, job: asyncio.Future[list[Answer]], watch: ClientWatch, writer: ResponseWriter) -> None:
         await watch.first(job)
-        body = self.endpoint.render_choices(self.call, job.result())  # the job's exception (a refusal) is raised here
+        body = self.endpoint.render_choices(self.exchange, job.result())  # the job's exception (a refusal) is raised here
         await self._answer(Response(body, status_code=200), writer)
 
     async def _stream(self, job: asyncio.Future[None], admitted: asyncio.Event, mailbox: asyncio.Queue[Any],
@@ -226,11 +227,11 @@ class Exchange:
             raise RuntimeError("the stream's job ended before its request was admitted")
         await writer.stream(self.endpoint.stream_format, mailbox)
 
-    async def _pump(self, outputs: list[AsyncIterator[RequestOutput]], admitted: asyncio.Event,
+    async def _pump(self, outputs: list[AsyncIterator[AnswerDelta]], admitted: asyncio.Event,
                     mailbox: asyncio.Queue[Any]) -> None:
         """A stream's job: render the outputs (one stream per choice) as encoded events into the mailbox, in order."""
         encode = ENCODERS[self.endpoint.stream_format]
-        events = self.endpoint.render_stream_choices(self.call, outputs)
+        events = self.endpoint.render_stream_choices(self.exchange, outputs)
         try:
             async with contextlib.AsyncExitStack() as closing:
                 for out in outputs:
@@ -247,7 +248,7 @@ class Exchange:
         except Exception as exc:
             if not admitted.is_set():
                 raise  # a refusal: the status line has not gone out, so it is answered with a status
-            for event in self.endpoint.render_stream_error(self.call, api_error(exc)):
+            for event in self.endpoint.render_stream_error(self.exchange, api_error(exc)):
                 mailbox.put_nowait(encode(event))
 
     async def _answer(self, response: Response[Any], writer: ResponseWriter) -> None:
@@ -260,7 +261,7 @@ class Exchange:
         self.services.metrics.client_left(self.record, reason)
         if reason == SEND_STALL:
             logger.warning("request %s: the client read nothing for %.1f s; closing its connection",
-                           self.call.id, writer.stall_timeout)
+                           self.exchange.id, writer.stall_timeout)
         try:
             await self.services.policy.client_gone(job, reason)
         except Exception:
@@ -271,7 +272,7 @@ class Exchange:
                 await writer.body(b"", more=False)
 
 
-async def _collect_all(outputs: list[AsyncIterator[RequestOutput]]) -> list[Completion]:
+async def _collect_all(outputs: list[AsyncIterator[AnswerDelta]]) -> list[Answer]:
     """A unary request's job: every choice's whole generation; the first failure cancels the others."""
     tasks = [asyncio.ensure_future(_collect(out)) for out in outputs]
     try:
@@ -282,7 +283,7 @@ async def _collect_all(outputs: list[AsyncIterator[RequestOutput]]) -> list[Comp
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
+async def _collect(outputs: AsyncIterator[AnswerDelta]) -> Answer:
     """One choice's whole generation."""
     async with contextlib.aclosing(outputs):
-        return Completion.from_outputs([out async for out in outputs])
+        return Answer.from_deltas([out async for out in outputs])

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.scheduler import QueueFull
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -130,8 +130,8 @@ class Metrics:
         self.engine.stats = stats
         return generate_latest(self.registry)
 
-    async def observe(self, outputs: AsyncIterator[RequestOutput],
-                      record: AccessRecord) -> AsyncIterator[RequestOutput]:
+    async def observe(self, outputs: AsyncIterator[AnswerDelta],
+                      record: AccessRecord) -> AsyncIterator[AnswerDelta]:
         """Pass a request's outputs through, timing them; an early end is counted by its reason."""
         start = last = time.monotonic()
         first_at = None  # when the first token's output reached this loop
@@ -170,7 +170,7 @@ class Metrics:
                 raise
             # Anything else came from admission: a refused request is not an aborted one.
 
-    def _split(self, out: RequestOutput, submitted: float, first_at: float | None) -> None:
+    def _split(self, out: AnswerDelta, submitted: float, first_at: float | None) -> None:
         times = out.times
         if times is None or times.queue_seconds is None or times.decode_seconds is None:
             return

@@ -36,7 +36,7 @@ from typing import Any
 
 from pagoda.core.engine import Engine
 from pagoda.core.loop_channel import Command, Sink, post, refused, settle
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 
@@ -99,7 +99,7 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
         *, on_admitted: Callable[[], None] | None = None, cache_salt: str | None = None, tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[AnswerDelta]:
         """Queue a request and yield its outputs as the engine makes them; the last one is finished.
 
         Admission errors (AdmissionError, ValueError) are raised before the first output;
@@ -247,7 +247,7 @@ class AsyncEngine:
             self._idle_waiters.clear()
         return True
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[AnswerDelta]) -> None:
         """Hand each output to its request's queue (a finished request's sink is dropped)."""
         items = []
         for out in outputs:

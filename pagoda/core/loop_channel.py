@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 
 
 @dataclass
@@ -42,12 +42,12 @@ class Sink:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[AnswerDelta | BaseException] = asyncio.Queue()
 
 
-def post(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
+def post(items: list[tuple[Sink, AnswerDelta | BaseException]]) -> None:
     """Put items on their sinks' queues: one thread hop per event loop, not per item."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, RequestOutput | BaseException]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Sink, AnswerDelta | BaseException]]] = {}
     for sink, item in items:
         by_loop.setdefault(sink.loop, []).append((sink, item))
     for loop, batch in by_loop.items():
@@ -57,7 +57,7 @@ def post(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
             pass
 
 
-def _put_all(items: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
+def _put_all(items: list[tuple[Sink, AnswerDelta | BaseException]]) -> None:
     for sink, item in items:
         sink.queue.put_nowait(item)
 

@@ -39,7 +39,7 @@ class RequestTimes:
 
 
 @dataclass
-class RequestOutput:
+class AnswerDelta:
     """What one step produced for one request."""
 
     request_id: str
@@ -56,7 +56,7 @@ class RequestOutput:
     times: RequestTimes | None = None  # on a request's last output only
 
     @classmethod
-    def of(cls, request: Request, token_ids: list[int], text: str, **extra: Any) -> RequestOutput:
+    def of(cls, request: Request, token_ids: list[int], text: str, **extra: Any) -> AnswerDelta:
         """The output of a request's step: its new tokens and text, its counts, and its times once finished."""
         return cls(
             request_id=request.request_id,

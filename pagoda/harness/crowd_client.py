@@ -6,7 +6,7 @@ its request, which closes the connection). The protocol is resolved against
 the server's registered endpoints: each endpoint's client half builds the body
 and reads the answer, normalised across protocols to (text, finish reason,
 token counts), so that a crowd run can be compared with a solo run of the same
-plans. SSE and NDJSON streams are read alike (pagoda.plugins.client.line_data).
+plans. The exchange itself is `pagoda.plugins.client.send`, the one client stack.
 
 A plan that follows another (`after`) is the next turn of that client's
 conversation: it is sent with the earlier turns as its history (a chat
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pagoda.plugins.client import ClientAnswer, ClientRequest, line_data
+from pagoda.plugins.client import ClientRequest, send
 from pagoda.plugins.protocol import Endpoint
 from pagoda.simulator.crowd import ClientPlan
 
-Endpoints = Mapping[str, Endpoint]  # protocol name -> endpoint (pagoda.plugins.client.registered_endpoints)
+Endpoints = Mapping[str, Endpoint]  # protocol name -> endpoint (pagoda.plugins.manager.registered_endpoints)
 
 
 @dataclass
@@ -77,7 +77,12 @@ async def run_client(http: httpx.AsyncClient, plan: ClientPlan, model: str, endp
     outcome = ClientOutcome(plan.client_id, status="failed")
     answer = endpoint.client_answer()
     ask = client_request(plan, model, history, cache_salt)
-    work = asyncio.ensure_future(_exchange(http, endpoint, ask, plan.stream, headers or {}, answer, outcome, started))
+
+    def first_byte() -> None:
+        outcome.first_byte_seconds = time.perf_counter() - started
+
+    work = asyncio.ensure_future(send(http, endpoint, ask, headers=headers or {}, answer=answer,
+                                      on_first_byte=first_byte))
     try:
         if plan.hangup_after is None:
             await work
@@ -101,24 +106,3 @@ async def run_client(http: httpx.AsyncClient, plan: ClientPlan, model: str, endp
     outcome.conversation = (*history, (ask.prompt, answer.text))
     outcome.seconds = time.perf_counter() - started
     return outcome
-
-
-async def _exchange(http, endpoint: Endpoint, ask: ClientRequest, stream: bool, headers, answer: ClientAnswer,
-                    outcome: ClientOutcome, started: float) -> None:
-    body = endpoint.client_request(ask)
-    if not stream:
-        response = await http.post(endpoint.path, json=body, headers=headers)
-        outcome.first_byte_seconds = time.perf_counter() - started
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-        answer.unary(response.json())
-        return
-    async with http.stream("POST", endpoint.path, json=body, headers=headers) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():  # until the server ends the stream
-            if outcome.first_byte_seconds is None:
-                outcome.first_byte_seconds = time.perf_counter() - started
-            data = line_data(endpoint.stream_format, line)
-            if data is not None:
-                answer.event(data)

@@ -21,7 +21,7 @@ from pagoda.model.factory import EngineOptions, build_engine
 from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
-from pagoda.plugins.client import registered_endpoints
+from pagoda.plugins.manager import registered_endpoints
 from pagoda.plugins.manager import load_plugins
 from pagoda.plugins.protocol import Endpoint
 
@@ -85,7 +85,7 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     async_engine = AsyncEngine(engine)
     settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key,
                                    refuse_unknown_models=refuse_unknown_models)
-    plugins = load_plugins(environ or {})
+    plugins = load_plugins(environ or {}, disabled=settings.disabled_plugins)
     app = create_app(async_engine, tokenizer, plugins, settings)
     server = BackgroundServer(app, send_buffer=settings.send_buffer_size).start()
     return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key,

@@ -1,7 +1,7 @@
 """Several choices in one request: a prompt list, `n` samples of each.
 
-    prepare  -> [Generation(prompt_i, n)]          one per prompt, in order
-    fan_out  -> [Generation] of n*len(prompts)     choice index = prompt_i * n + j (OpenAI's order)
+    prepare  -> [EngineRequest(prompt_i, n)]       one per prompt, in order
+    fan_out  -> [EngineRequest] of n*len(prompts)  choice index = prompt_i * n + j (OpenAI's order)
 
 Choice j of a prompt is the request that prompt would make alone with seed + j
 (when a seed is given), so each choice can be reproduced on its own; greedy
@@ -16,37 +16,38 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
-from pagoda.plugins.protocol import Call, Generation, RequestError
+from pagoda.plugins.protocol import EngineRequest, Exchange, ExchangeState
+from pagoda.plugins.request_fields import RequestError
 
 T = TypeVar("T")
 
 MAX_CHOICES = 128  # engine requests one HTTP request may make (prompts x n)
 
 
-def fan_out(prepared: Generation | Sequence[Generation]) -> list[Generation]:
-    """One Generation per choice (n = 1 each), choice j of a prompt seeded seed + j; too many is a 400 naming `n`."""
-    generations = [prepared] if isinstance(prepared, Generation) else list(prepared)
-    total = sum(g.n for g in generations)
+def fan_out(prepared: EngineRequest | Sequence[EngineRequest]) -> list[EngineRequest]:
+    """One EngineRequest per choice (n = 1 each), choice j of a prompt seeded seed + j; too many is a 400 naming `n`."""
+    requests = [prepared] if isinstance(prepared, EngineRequest) else list(prepared)
+    total = sum(r.n for r in requests)
     if total > MAX_CHOICES:
         raise RequestError(f"n times the number of prompts may be at most {MAX_CHOICES}, got {total}", "n")
     choices = []
-    for g in generations:
-        for j in range(g.n):
-            params = g.sampling_params
+    for r in requests:
+        for j in range(r.n):
+            params = r.sampling_params
             if j and params.seed is not None:
                 try:
                     params = dataclasses.replace(params, seed=params.seed + j)
                 except ValueError:
                     raise RequestError(f"seed + n - 1 must stay a 64-bit integer, got {params.seed + j}", "seed") from None
-            choices.append(dataclasses.replace(g, sampling_params=params, n=1))
+            choices.append(dataclasses.replace(r, sampling_params=params, n=1))
     return choices
 
 
-def choice_call(call: Call, index: int) -> Call:
-    """The call as choice `index`'s renderer sees it: its own engine request and notes."""
-    if not call.choices and index == 0:
-        return call
-    return dataclasses.replace(call, generation=call.choices[index], index=index, state={})
+def choice_exchange(exchange: Exchange, index: int) -> Exchange:
+    """The exchange as choice `index`'s renderer sees it: its own engine request and notes."""
+    if not exchange.choices and index == 0:
+        return exchange
+    return dataclasses.replace(exchange, request=exchange.choices[index], index=index, state=ExchangeState())
 
 
 async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:

@@ -2,8 +2,9 @@
 
 Built-in features are plugin modules listed in BUILTIN_PLUGINS and registered
 exactly as a third-party package's plugin is; they have no private path into
-the server. Third-party plugins are packages declaring an entry point in the
-group `pagoda`, e.g. in their pyproject.toml:
+the server, and none imports another (what two share is in the plugin
+interface), so each can be left out alone. Third-party plugins are packages
+declaring an entry point in the group `pagoda`, e.g. in their pyproject.toml:
 
     [project.entry-points.pagoda]
     ollama = "pagoda_ollama"
@@ -15,16 +16,22 @@ PAGODA_PLUGINS, read only by `load_plugins`:
     "none" or ""       none (only the built-in ones)
     "a,b"              only the entry points named a and b; naming one that is
                        not installed is an error, not a silent omission
+
+Any plugin, built-in or installed, can be left out by name: `disabled`
+(`pagoda serve --disable-plugin NAME...`) and the environment variable
+PAGODA_DISABLE_PLUGINS ("a,b"), in the spirit of simonw/llm's
+LLM_LOAD_PLUGINS. A disabled name is blocked in the registry, so `pagoda
+plugins` lists it as disabled; naming a plugin that does not exist is an error.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 from importlib import metadata
+from typing import Any
 
 import pluggy
 
@@ -34,21 +41,22 @@ from pagoda.plugins.protocol import Endpoint
 from pagoda.plugins.route import Route, ServedModel
 from pagoda.plugins.tools import ToolParser
 
-BUILTIN_PLUGINS = (
-    "pagoda.plugins.builtin.openai_common",  # the OpenAI family's model card fields
-    "pagoda.plugins.builtin.openai_completions",
-    "pagoda.plugins.builtin.openai_chat",
-    "pagoda.plugins.builtin.openai_responses",
-    "pagoda.plugins.builtin.anthropic_messages",
-    "pagoda.plugins.builtin.disconnect_abort",
-    "pagoda.plugins.builtin.disconnect_finish",
-    "pagoda.plugins.builtin.models",
-    "pagoda.plugins.builtin.tokenize",  # POST /tokenize, /detokenize, /v1/messages/count_tokens
-    "pagoda.plugins.builtin.chat_page",
-    "pagoda.plugins.builtin.tool_parsers",
-)
+# name -> module; the name is what `pagoda plugins` lists and --disable-plugin takes
+BUILTIN_PLUGINS = {
+    "openai_completions": "pagoda.plugins.builtin.openai_completions",  # POST /v1/completions
+    "openai_chat": "pagoda.plugins.builtin.openai_chat",  # POST /v1/chat/completions
+    "openai_responses": "pagoda.plugins.builtin.openai_responses",  # POST /v1/responses
+    "anthropic_messages": "pagoda.plugins.builtin.anthropic_messages",  # POST /v1/messages (+ count_tokens)
+    "disconnect_abort": "pagoda.plugins.builtin.disconnect_abort",
+    "disconnect_finish": "pagoda.plugins.builtin.disconnect_finish",
+    "models": "pagoda.plugins.builtin.models",  # GET /v1/models
+    "tokenize": "pagoda.plugins.builtin.tokenize",  # POST /tokenize, /detokenize
+    "chat_page": "pagoda.plugins.builtin.chat_page",  # GET /
+    "tool_parsers": "pagoda.plugins.builtin.tool_parsers",  # hermes, llama3_json
+}
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"
+DISABLE_ENV = "PAGODA_DISABLE_PLUGINS"
 
 
 class PluginError(RuntimeError):
@@ -62,20 +70,24 @@ def new_manager() -> pluggy.PluginManager:
     return pm
 
 
-def load_plugins(environ: Mapping[str, str] | None = None) -> pluggy.PluginManager:
-    """A manager with the built-in plugins and the third-party ones PAGODA_PLUGINS allows."""
+def load_plugins(environ: Mapping[str, str] | None = None, disabled: Iterable[str] = ()) -> pluggy.PluginManager:
+    """A manager with the built-in plugins and the third-party ones PAGODA_PLUGINS allows, less the disabled ones
+    (`disabled` and PAGODA_DISABLE_PLUGINS)."""
     environ = os.environ if environ is None else environ
     pm = new_manager()
-    for name in BUILTIN_PLUGINS:
-        pm.register(importlib.import_module(name), name=name)
+    installed = {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    for name in disabled_names(environ, disabled, installed):
+        pm.set_blocked(name)  # registering it is then a no-op; `pagoda plugins` lists it as disabled
+    for name, module in BUILTIN_PLUGINS.items():
+        if not pm.is_blocked(name):
+            pm.register(importlib.import_module(module), name=name)
     allow = environ.get(ALLOW_ENV)
     if allow is None:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         return pm
-    names = [n.strip() for n in allow.split(",") if n.strip()]
+    names = _names(allow)
     if names == ["none"]:
         return pm
-    installed = {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     missing = [n for n in names if n not in installed]
     if missing:
         raise PluginError(
@@ -87,14 +99,30 @@ def load_plugins(environ: Mapping[str, str] | None = None) -> pluggy.PluginManag
     return pm
 
 
+def disabled_names(environ: Mapping[str, str], disabled: Iterable[str], installed: Iterable[str] = ()) -> list[str]:
+    """The plugins to leave out: `disabled` and PAGODA_DISABLE_PLUGINS; a name no plugin has is an error."""
+    names = list(dict.fromkeys([*disabled, *_names(environ.get(DISABLE_ENV, ""))]))
+    known = set(BUILTIN_PLUGINS) | set(installed)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PluginError(f"cannot disable {', '.join(map(repr, unknown))}: no plugin has that name"
+                          f" (plugins: {', '.join(sorted(known))})")
+    return names
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 @dataclass(frozen=True)
 class PluginInfo:
-    """One registered plugin, for `pagoda plugins`."""
+    """One plugin, registered or disabled, for `pagoda plugins`."""
 
     name: str
-    origin: str  # "built-in", or "<distribution> <version>"
+    origin: str  # "built-in", "<distribution> <version>", "installed" (a disabled entry point) or "registered in code"
     hooks: tuple[str, ...]
     provides: tuple[str, ...] = ()  # what its registration hooks register, in words
+    disabled: bool = False  # left out (--disable-plugin, PAGODA_DISABLE_PLUGINS): registered nothing
 
 
 def describe_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
@@ -103,7 +131,9 @@ def describe_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
     provides = _registrations(pm)
     infos = []
     for name, plugin in pm.list_name_plugin():
-        if plugin is None:  # blocked
+        if plugin is None:  # blocked: disabled by name
+            infos.append(PluginInfo(name=name, origin="built-in" if name in BUILTIN_PLUGINS else "installed",
+                                    hooks=(), disabled=True))
             continue
         hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()))
         dist = distributions.get(id(plugin))
@@ -195,3 +225,19 @@ def _check_unique(items: list, attr: str, what: str) -> None:
         if key in seen:
             raise PluginError(f"two {what} share the {attr} {key!r}: {seen[key]!r} and {item!r}")
         seen[key] = item
+
+
+def endpoints_by_protocol(endpoints: Iterable[Endpoint]) -> dict[str, Endpoint]:
+    """The endpoints by the protocol name crowds use ("chat", "ollama-chat"); two with one name is an error."""
+    found: dict[str, Endpoint] = {}
+    for endpoint in endpoints:
+        if endpoint.protocol in found:
+            raise ValueError(f"two endpoints share the protocol name {endpoint.protocol!r}:"
+                             f" {found[endpoint.protocol].name} and {endpoint.name}")
+        found[endpoint.protocol] = endpoint
+    return found
+
+
+def registered_endpoints(pm: pluggy.PluginManager) -> dict[str, Endpoint]:
+    """The endpoints a plugin manager's plugins register, by protocol name (what clients of the server iterate)."""
+    return endpoints_by_protocol(collect_endpoints(pm))

@@ -4,20 +4,28 @@ A protocol endpoint is one HTTP route (say POST /v1/chat/completions). It
 declares the msgspec Struct its JSON body decodes into, three steps, and the
 error shape of its protocol family:
 
-    prepare(body, ctx)            -> Generation    the engine request (prompt ids, sampling params); or a list,
-                                                   one per prompt, each with `n` choices (pagoda.plugins.choices)
-    render(call, completion)      -> dict          the unary response body
-    render_stream(call, outputs)  -> Events        the stream, from the engine's outputs
-    errors: ErrorShape                             error bodies and stream-error events, shared by a family
+    prepare(body, ctx)               -> EngineRequest   prompt ids and sampling params; or a list, one per
+                                                        prompt, each with `n` choices (pagoda.plugins.choices)
+    render(exchange, answer)         -> dict            the unary response body
+    render_stream(exchange, deltas)  -> Events          the stream, from the engine's answer deltas
+    errors: ErrorShape                                  error bodies and stream-error events, shared by a family
 
 and its client half (pagoda/plugins/client.py): `client_request` and
 `client_answer`, how a client asks this route and reads what it answers.
+The words: a *request* is what is asked (the body, the `EngineRequest` made
+from it, the engine's `Request`, a client's `ClientRequest`); an *answer* is
+what comes back (each step's `AnswerDelta`, the whole `Answer`, a client's
+`ClientAnswer`); an `Exchange` is one request and its response as the
+renderers see them (ids that stay the same across its events).
 
 Everything else is the server's (pagoda.api): decoding and validating the
 body, the API key, calling the engine, the disconnect race and the abort,
 turning exceptions into `ApiError`s rendered by the route's ErrorShape with
 the right status, encoding events as SSE or NDJSON, metrics and the access
-log. So a protocol module holds only its wire format.
+log. So a protocol module holds only its wire format. The fields a protocol
+reads into a request are checked with pagoda.plugins.request_fields; tools with
+pagoda.plugins.tools, and an answer read for tool calls is rendered through
+pagoda.plugins.tool_render.
 """
 
 from __future__ import annotations
@@ -29,24 +37,24 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from pagoda.core.outputs import RequestOutput, SampledToken
+from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
-# the field helpers are part of this interface: plugins import them from here
-from pagoda.plugins.request_fields import (  # noqa: F401
-    DEFAULT_LIMITS,
-    RequestError,
-    RequestLimits,
-    join_text_parts,
-    make_sampling_params,
-)
+from pagoda.plugins.client import ClientAnswer, ClientRequest
+from pagoda.plugins.request_fields import DEFAULT_LIMITS, RequestError, RequestLimits
+from pagoda.plugins.tools import Tool, ToolParser, plain_messages, require_parser
 
 if TYPE_CHECKING:
-    from pagoda.plugins.client import ClientAnswer, ClientRequest
+    from pagoda.core.tokenizer import Tokenizer
 
 
 # A body's `cache_salt` (vLLM's name for it): requests share prefix-cache blocks only under an equal salt.
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+def new_id(prefix: str) -> str:
+    """A fresh random id with a protocol's prefix ("chatcmpl-", "call_", "toolu_", ...): the one place ids are made."""
+    return f"{prefix}{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True)
@@ -63,38 +71,31 @@ class ApiError:
 class ServeContext:
     """What `prepare` may use: the tokenizer and the server's limits."""
 
-    tokenizer: Any  # pagoda.core.tokenizer.Tokenizer
+    tokenizer: Tokenizer
     model_name: str  # the name responses report (--served-model-name)
     max_model_len: int  # prompt + output tokens of one request
     max_kv_tokens: int  # KV slots in the whole pool: a request can never hold more
     limits: RequestLimits = DEFAULT_LIMITS  # what one request may ask for (make_sampling_params checks it)
-    tool_parser: Any = None  # pagoda.plugins.tools.ToolParser (--tool-parser); None = tools are refused
+    tool_parser: ToolParser | None = None  # --tool-parser; None = tools are refused
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (with the tokenizer's own special tokens, e.g. BOS)."""
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] = ()) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool] = ()) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template, ready for the reply.
 
-        With `tools` (pagoda.plugins.tools.Tool), or past calls and results in `messages`: a template that
-        renders tools gets them as they are; any other gets the tool parser's default prompt and syntax."""
-        if not getattr(self.tokenizer, "has_chat_template", True):
+        With `tools`, or past calls and results in `messages`: a template that renders tools gets them as they
+        are; any other gets the tool parser's default prompt and syntax."""
+        if not self.tokenizer.has_chat_template:
             raise RequestError("this model has no chat template; use /v1/completions with a plain prompt", "messages")
         if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
-        if getattr(self.tokenizer, "chat_template_takes_tools", False):
+        if self.tokenizer.chat_template_takes_tools:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True,
                                               tools=[t.as_openai() for t in tools] or None)
-        from pagoda.plugins.tools import plain_messages  # tools.py imports this module
-
-        return self.tokenizer.encode_chat(plain_messages(messages, tools, self.parser()), add_generation_prompt=True)
-
-    def parser(self) -> Any:
-        """The server's tool parser, or a 400 when it has none."""
-        if self.tool_parser is None:
-            raise RequestError("this server has no tool parser (pagoda serve --tool-parser NAME)", "tools")
-        return self.tool_parser
+        plain = plain_messages(messages, tools, require_parser(self.tool_parser))
+        return self.tokenizer.encode_chat(plain, add_generation_prompt=True)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         """For a request that names no limit: as many tokens as fit the context and the KV pool."""
@@ -104,34 +105,54 @@ class ServeContext:
 
 
 @dataclass
-class Generation:
-    """The engine request a protocol made from its body."""
+class EngineRequest:
+    """What a protocol asks of the engine for one prompt: made by `prepare` from the body."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
     cache_salt: str | None = None  # the body's `cache_salt`: prefix-cache blocks are shared only under an equal one
-    tool_parser: Any = None  # pagoda.plugins.tools.ToolParser: reads the answer's tool calls; None = plain text
+    tool_parser: ToolParser | None = None  # reads the answer's tool calls; None = plain text
     n: int = 1  # choices sampled from this prompt (pagoda.plugins.choices.fan_out makes one engine request each)
 
 
 @dataclass
-class Call:
-    """One request as the renderers see it: ids and names that stay the same across its events."""
+class ExchangeState:
+    """A renderer's notes on one exchange, kept from its first event to its last (and into the unary body)."""
+
+    ids: dict[tuple[str, int], str] = field(default_factory=dict)  # (prefix, index) -> the id made for it
+    num_events: int = 0  # events numbered so far (the responses stream's sequence_number)
+
+    def id(self, prefix: str, index: int = 0) -> str:
+        """The id of item `index` of one kind (its prefix: "call_", "msg_", ...): made on first use, then the same."""
+        key = (prefix, index)
+        if key not in self.ids:
+            self.ids[key] = new_id(prefix)
+        return self.ids[key]
+
+    def next_event_number(self) -> int:
+        """0, 1, 2, ... across the exchange's events."""
+        self.num_events += 1
+        return self.num_events - 1
+
+
+@dataclass
+class Exchange:
+    """One request and its response as the renderers see them: ids and names that stay the same across its events."""
 
     id: str  # the protocol-visible id, also the engine request id
     created: int  # unix seconds
     model: str
-    body: Any  # the decoded body Struct
-    generation: Generation
-    tokenizer: Any
-    state: dict[str, Any] = field(default_factory=dict)  # the renderer's own per-request notes
-    index: int = 0  # the choice this call renders (a response's `choices[index]`)
-    choices: list[Generation] = field(default_factory=list)  # every choice's engine request, in index order
+    body: Any  # the decoded body Struct (the endpoint's body_type)
+    request: EngineRequest  # the engine request this renderer renders (its choice's)
+    tokenizer: Tokenizer
+    state: ExchangeState = field(default_factory=ExchangeState)
+    index: int = 0  # the choice this exchange renders (a response's `choices[index]`)
+    choices: list[EngineRequest] = field(default_factory=list)  # every choice's engine request, in index order
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.generation.prompt_token_ids)
+        return len(self.request.prompt_token_ids)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs), special tokens included."""
@@ -139,8 +160,8 @@ class Call:
 
 
 @dataclass
-class Completion:
-    """A finished generation, as unary renderers get it."""
+class Answer:
+    """A finished answer, as unary renderers get it."""
 
     text: str
     token_ids: list[int]
@@ -152,18 +173,18 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached tokens)
 
     @classmethod
-    def from_outputs(cls, outputs: Sequence[RequestOutput]) -> Completion:
-        """Concatenate a request's outputs (the last one is the finished one)."""
-        last = outputs[-1]
+    def from_deltas(cls, deltas: Sequence[AnswerDelta]) -> Answer:
+        """Join a request's answer deltas (the last one is the finished one)."""
+        last = deltas[-1]
         assert last.finished and last.finish_reason is not None, last
         return cls(
-            text="".join(o.new_text for o in outputs),
-            token_ids=[t for o in outputs for t in o.new_token_ids],
+            text="".join(d.new_text for d in deltas),
+            token_ids=[t for d in deltas for t in d.new_token_ids],
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             num_prompt_tokens=last.num_prompt_tokens,
             num_output_tokens=last.num_output_tokens,
-            logprobs=[lp for o in outputs for lp in o.logprobs],
+            logprobs=[lp for d in deltas for lp in d.logprobs],
             num_cached_tokens=last.num_cached_tokens,
         )
 
@@ -209,34 +230,35 @@ class Endpoint:
 
     def new_id(self) -> str:
         """A fresh id for one request, with the protocol's prefix."""
-        return f"{self.id_prefix}{secrets.token_hex(12)}"
+        return new_id(self.id_prefix)
 
-    def prepare(self, body: Any, ctx: ServeContext) -> Generation | list[Generation]:
+    def prepare(self, body: Any, ctx: ServeContext) -> EngineRequest | list[EngineRequest]:
         """Turn the decoded body into engine requests (one per prompt); raise RequestError naming a bad field."""
         raise NotImplementedError
 
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        """The unary response body for a finished generation."""
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        """The unary response body for a finished answer."""
         raise NotImplementedError
 
-    def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        """The stream's events, produced while iterating the engine's outputs."""
+    def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
+        """The stream's events, produced while iterating the engine's answer deltas."""
         raise NotImplementedError
 
-    def render_choices(self, call: Call, completions: list[Completion]) -> dict[str, Any]:
-        """The unary body for several choices (one Completion each, in index order); one choice: `render`."""
-        if len(completions) != 1:
+    def render_choices(self, exchange: Exchange, answers: list[Answer]) -> dict[str, Any]:
+        """The unary body for several choices (one Answer each, in index order); one choice: `render`."""
+        if len(answers) != 1:
             raise NotImplementedError(f"{self.name} renders one choice")
-        return self.render(call, completions[0])
+        return self.render(exchange, answers[0])
 
-    def render_stream_choices(self, call: Call, outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+    def render_stream_choices(self, exchange: Exchange,
+                              deltas: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[Event]:
         """The stream of several choices (one engine stream each, in index order); one choice: `render_stream`."""
-        if len(outputs) != 1:
+        if len(deltas) != 1:
             raise NotImplementedError(f"{self.name} streams one choice")
-        return self.render_stream(call, outputs[0])
+        return self.render_stream(exchange, deltas[0])
 
-    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
-        """Events that report a failure after the stream began: the family's, unless the call shapes them."""
+    def render_stream_error(self, exchange: Exchange, error: ApiError) -> list[Event]:
+        """Events that report a failure after the stream began: the family's, unless the exchange shapes them."""
         return self.errors.render_stream_error(error)
 
     # -- the client half ----------------------------------------------------

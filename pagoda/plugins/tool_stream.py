@@ -1,7 +1,17 @@
-"""Reading tool calls out of an answer as it streams: text before a call streams as content, a call's arguments
-as fragments the moment they are written.
+"""Tool calls read out of an answer: the events, the incremental reader that makes them, and `collect`.
 
-The reader keeps the whole text and a position, and moves through four states:
+An answer read for tool calls is a sequence of events, the same whether it is read whole or as it streams:
+
+    TextDelta(text)              content outside any call
+    CallStarted(index, name)     call number `index` begins (its name is known)
+    ArgumentsDelta(index, text)  a fragment of its arguments' JSON text, as the model wrote it
+    CallEnded(index)             it is complete
+
+`ToolEvents` is the one dispatch over them: a subclass says what each event becomes (a protocol's stream
+deltas, its content blocks, the whole answer's content and calls in `collect`).
+
+`CallStream` reads the events out of the text. It keeps the whole text and a position, and moves through
+four states:
 
     text    content; a partial BEGIN at the end is held back until it is decided
     header  after BEGIN: waits for `{"name": "...", "<key>": ` and then starts the call
@@ -9,43 +19,151 @@ The reader keeps the whole text and a position, and moves through four states:
             the value closes, so no fragment ever goes past it
     close   after the arguments: the wrapper's `}` and END (or, with no END, a `;` and the next call)
 
-A parser with no BEGIN (Llama-3's JSON calls) reads calls only at the start of the answer: if the answer does
+A syntax with no BEGIN (Llama-3's JSON calls) reads calls only at the start of the answer: if the answer does
 not begin with `{`, it is all content. Anything that turns out not to be a call is given back as content.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import TYPE_CHECKING
-
-from pagoda.plugins.tools import ArgumentsDelta, CallEnded, CallStarted, TextDelta, ToolEvent
-
-if TYPE_CHECKING:
-    from pagoda.plugins.tools import ToolParser
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 PYTHON_TAG = "<|python_tag|>"  # Llama-3's marker before a call; skipped
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStarted:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnded:
+    index: int
+
+
+ToolEvent = TextDelta | CallStarted | ArgumentsDelta | CallEnded
+
+
+class ToolEvents(Generic[T]):
+    """What a sequence of tool events becomes: a subclass maps each kind of event to its items."""
+
+    def handle(self, events: Sequence[ToolEvent]) -> list[T]:
+        """The items of these events, in order."""
+        items: list[T] = []
+        for event in events:
+            match event:
+                case TextDelta(text=text):
+                    items += self.text(text)
+                case CallStarted(index=index, name=name):
+                    items += self.call_started(index, name)
+                case ArgumentsDelta(index=index, text=text):
+                    items += self.arguments(index, text)
+                case CallEnded(index=index):
+                    items += self.call_ended(index)
+        return items
+
+    def text(self, text: str) -> list[T]:
+        """Content outside any call."""
+        return []
+
+    def call_started(self, index: int, name: str) -> list[T]:
+        """Call number `index`, named `name`, begins."""
+        return []
+
+    def arguments(self, index: int, text: str) -> list[T]:
+        """A fragment of call `index`'s arguments (JSON text)."""
+        return []
+
+    def call_ended(self, index: int) -> list[T]:
+        """Call `index` is complete."""
+        return []
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # the JSON text the model wrote
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str
+    calls: list[ParsedCall]
+
+
+class _Collected(ToolEvents[None]):
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.names: list[str] = []
+        self.arguments_of: list[list[str]] = []
+
+    def text(self, text: str) -> list[None]:
+        self.content.append(text)
+        return []
+
+    def call_started(self, index: int, name: str) -> list[None]:
+        self.names.append(name)
+        self.arguments_of.append([])
+        return []
+
+    def arguments(self, index: int, text: str) -> list[None]:
+        self.arguments_of[index].append(text)
+        return []
+
+
+def collect(events: Sequence[ToolEvent]) -> ParsedOutput:
+    """Events joined into content and calls."""
+    joined = _Collected()
+    joined.handle(events)
+    return ParsedOutput("".join(joined.content),
+                        [ParsedCall(n, "".join(a)) for n, a in zip(joined.names, joined.arguments_of)])
+
+
+class CallSyntax(Protocol):
+    """How a model family writes a call: BEGIN {"name": NAME, "<key>": ARGUMENTS} END (pagoda.plugins.tools.ToolParser)."""
+
+    begin: str  # "" = calls only at the start of the answer
+    end: str
+    key: str
 
 
 class CallStream:
     """One answer's incremental reader: `feed(delta)` and `finish()` return the events they complete."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
-        self.header = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(parser.key) + r'"\s*:\s*')
+    def __init__(self, syntax: CallSyntax) -> None:
+        self.syntax = syntax
+        self.header = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(syntax.key) + r'"\s*:\s*')
         self.text = ""
         self.pos = 0  # everything before it has been given out
-        self.state = "text" if parser.begin else "start"
+        self.state = "text" if syntax.begin else "start"
         self.num_calls = 0
         self.depth, self.in_string, self.escaped, self.started = 0, False, False, False
         self.pending = ""  # whitespace-only content, held: around calls it is dropped
 
-    def feed(self, delta: str) -> list[ToolEvent]:
-        """The events `delta` completes."""
+    def feed(self, delta: str, final: bool = False) -> list[ToolEvent]:
+        """The events `delta` completes; with `final`, the answer ends with it (`finish` follows)."""
         self.text += delta
         events: list[ToolEvent] = []
         while self._step(events):
             pass
-        return self._tidy(events, final=False)
+        events = self._tidy(events, final=False)
+        return events + self.finish() if final else events
 
     def finish(self) -> list[ToolEvent]:
         """The end of the answer: whatever was held back, and the end of an unfinished call."""
@@ -61,7 +179,7 @@ class CallStream:
             if rest:
                 events.append(TextDelta(rest))
         elif self.state == "header":
-            events.append(TextDelta(self.parser.begin + rest))
+            events.append(TextDelta(self.syntax.begin + rest))
         elif rest.strip() or self.state == "text":
             if rest:
                 events.append(TextDelta(rest))
@@ -126,7 +244,7 @@ class CallStream:
         return False
 
     def _text(self, rest: str, events: list[ToolEvent]) -> bool:
-        begin = self.parser.begin
+        begin = self.syntax.begin
         at = rest.find(begin)
         if at >= 0:
             if at:
@@ -143,10 +261,10 @@ class CallStream:
     def _header(self, rest: str, events: list[ToolEvent]) -> bool:
         m = self.header.match(rest)
         if m is None:
-            if self.parser.end and self.parser.end in rest or len(rest) > 4096:  # not a call after all
-                events.append(TextDelta(self.parser.begin + rest))
+            if self.syntax.end and self.syntax.end in rest or len(rest) > 4096:  # not a call after all
+                events.append(TextDelta(self.syntax.begin + rest))
                 self.pos = len(self.text)
-                self.state = "text" if self.parser.begin else "plain"
+                self.state = "text" if self.syntax.begin else "plain"
             return False
         events.append(CallStarted(self.num_calls, _unescape(m.group(1))))
         self.num_calls += 1
@@ -199,14 +317,14 @@ class CallStream:
         if m is not None:
             events.append(CallEnded(self.num_calls - 1))
             self.pos += m.end()
-            self.state = "text" if self.parser.begin else "next"
-            if not self.parser.begin:
+            self.state = "text" if self.syntax.begin else "next"
+            if not self.syntax.begin:
                 return self._next(events)
             return True
-        if _may_become(rest, self.parser.end):
+        if _may_become(rest, self.syntax.end):
             return False
         events.append(CallEnded(self.num_calls - 1))  # the wrapper never closed: what follows is content
-        self.state = "text" if self.parser.begin else "plain"
+        self.state = "text" if self.syntax.begin else "plain"
         return True
 
     def _next(self, events: list[ToolEvent]) -> bool:
@@ -224,7 +342,7 @@ class CallStream:
 
     def _closing(self) -> str:
         """The wrapper's `}` and END; with no END, whitespace after the brace is left to what follows."""
-        return r"\s*\}" + (r"\s*" + re.escape(self.parser.end) if self.parser.end else "")
+        return r"\s*\}" + (r"\s*" + re.escape(self.syntax.end) if self.syntax.end else "")
 
     def _after_close(self, rest: str) -> str:
         m = re.match(self._closing(), rest)
@@ -243,8 +361,6 @@ def _may_become(rest: str, end: str) -> bool:
 
 
 def _unescape(name: str) -> str:
-    import json
-
     try:
         return json.loads(f'"{name}"')
     except ValueError:

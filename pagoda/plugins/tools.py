@@ -4,7 +4,7 @@ A protocol reads its own fields into `Tool`s and a `ToolChoice`; a `ToolParser` 
 `pagoda_register_tool_parsers`, picked by `pagoda serve --tool-parser NAME`) owns everything about the model's
 call syntax: the default prompt that teaches it to a model whose chat template knows no tools, how a past call
 is written back into the prompt, the constraint that forces a valid call, and reading calls out of the text,
-whole (`parse`) or as it streams (`stream().feed(delta)`). A call is written as
+whole (`parse`) or as it streams (`stream().feed(delta)`, pagoda/plugins/tool_stream.py). A call is written as
 
     BEGIN {"name": NAME, "<key>": ARGUMENTS} END        e.g. <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 
@@ -22,7 +22,8 @@ from typing import Any, Literal
 import jsonschema
 
 from pagoda.core.constraint import Constraint
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
+from pagoda.plugins.tool_stream import CallStream, ParsedOutput, collect
 
 
 @dataclass(frozen=True)
@@ -54,43 +55,6 @@ class ToolChoice:
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # the JSON text the model wrote
-
-
-@dataclass(frozen=True)
-class ParsedOutput:
-    content: str
-    calls: list[ParsedCall]
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class CallStarted:
-    index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class CallEnded:
-    index: int
-
-
-ToolEvent = TextDelta | CallStarted | ArgumentsDelta | CallEnded
 
 
 def check_schema(schema: Any, field: str) -> dict[str, Any]:
@@ -169,36 +133,16 @@ class ToolParser:
         return Constraint("structural_tag", spec, field)
 
     # -- parsing ---------------------------------------------------------------------------------------
-    def stream(self) -> Any:
-        """A fresh incremental reader for one answer (pagoda.plugins.tool_stream.CallStream)."""
-        from pagoda.plugins.tool_stream import CallStream
-
+    def stream(self) -> CallStream:
+        """A fresh incremental reader for one answer."""
         return CallStream(self)
 
     def parse(self, text: str) -> ParsedOutput:
         """The whole answer's content and calls (the same reading as the stream's)."""
-        reader = self.stream()
-        events = reader.feed(text) + reader.finish()
-        return collect(events)
+        return collect(self.stream().feed(text, final=True))
 
     def __repr__(self) -> str:
         return f"<tool parser {self.name!r}>"
-
-
-def collect(events: Sequence[ToolEvent]) -> ParsedOutput:
-    """Events joined into content and calls."""
-    content: list[str] = []
-    names: list[str] = []
-    arguments: list[list[str]] = []
-    for e in events:
-        if isinstance(e, TextDelta):
-            content.append(e.text)
-        elif isinstance(e, CallStarted):
-            names.append(e.name)
-            arguments.append([])
-        elif isinstance(e, ArgumentsDelta):
-            arguments[e.index].append(e.text)
-    return ParsedOutput("".join(content), [ParsedCall(n, "".join(a)) for n, a in zip(names, arguments)])
 
 
 def plain_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool],
@@ -232,14 +176,38 @@ def parse_arguments(text: str, field: str) -> Any:
         raise RequestError(f"{field} must be JSON text: {exc.msg}", field) from None
 
 
-def tool_use(ctx: Any, tools: Sequence[Tool], choice: ToolChoice, constraint: Constraint | None,
+def require_parser(parser: ToolParser | None) -> ToolParser:
+    """The server's tool parser, or a 400 when it has none."""
+    if parser is None:
+        raise RequestError("this server has no tool parser (pagoda serve --tool-parser NAME)", "tools")
+    return parser
+
+
+def tool_use(parser: ToolParser | None, tools: Sequence[Tool], choice: ToolChoice, constraint: Constraint | None,
              format_field: str) -> tuple[Constraint | None, ToolParser | None, list[Tool]]:
-    """What a request's tools ask of the engine: (the constraint, the parser that reads the answer, the tools the
-    prompt lists). No tools, or choice none: the output format's constraint alone, plain text."""
+    """What a request's tools ask of the engine, given the server's parser: (the constraint, the parser that reads
+    the answer, the tools the prompt lists). No tools, or choice none: the output format's constraint alone, plain
+    text."""
     if choice.mode == "none" or not tools:
         return constraint, None, []
     if constraint is not None:
         raise RequestError(f"{format_field} cannot be combined with tools: a call's arguments already follow its"
                            " schema", format_field)
-    parser: ToolParser = ctx.parser()
+    parser = require_parser(parser)
     return parser.constraint(tools, choice), parser, list(tools)
+
+
+class CallHistory:
+    """The calls a conversation has made so far: a tool result must answer one of them."""
+
+    def __init__(self) -> None:
+        self.call_ids: set[str] = set()
+
+    def called(self, call_id: str) -> None:
+        """An earlier message made the call `call_id`."""
+        self.call_ids.add(call_id)
+
+    def check_result(self, call_id: str | None, field: str, what: str) -> None:
+        """A result naming `call_id` (in `field`) answers an earlier call, `what` in the protocol's words."""
+        if call_id not in self.call_ids:
+            raise RequestError(f"{field} {call_id!r} names no earlier {what}", field)

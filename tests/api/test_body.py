@@ -12,7 +12,7 @@ from pagoda.plugins.builtin.anthropic_messages import MessagesRequest
 from pagoda.plugins.builtin.openai_chat import ChatRequest
 from pagoda.plugins.builtin.openai_completions import CompletionRequest
 from pagoda.plugins.builtin.openai_responses import ResponsesRequest
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "m", "messages": USER}

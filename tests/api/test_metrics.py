@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.api.metrics import AccessRecord, Metrics
 from pagoda.core.async_engine import GenerationError, RequestAborted
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.request import FinishReason
 
 STATS = {"running": 2, "waiting": 1, "kv_blocks_total": 8, "kv_blocks_free": 6, "preemptions_total": 3,
@@ -17,8 +17,8 @@ STATS = {"running": 2, "waiting": 1, "kv_blocks_total": 8, "kv_blocks_free": 6, 
          "prefix_cache_queried_tokens_total": 300, "prefix_cache_hit_tokens_total": 96}
 
 
-def output(n_out: int, new: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", new, "x" * len(new), finished, FinishReason.STOP if finished else None,
+def output(n_out: int, new: list[int], finished: bool = False) -> AnswerDelta:
+    return AnswerDelta("r", new, "x" * len(new), finished, FinishReason.STOP if finished else None,
                          num_prompt_tokens=5, num_output_tokens=n_out)
 
 
@@ -35,7 +35,7 @@ def samples(metrics: Metrics, stats: dict | None = None) -> dict[tuple[str, tupl
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def consume(metrics: Metrics, items, record: AccessRecord) -> list[RequestOutput]:
+def consume(metrics: Metrics, items, record: AccessRecord) -> list[AnswerDelta]:
     async def go():
         return [out async for out in metrics.observe(outputs_of(items), record)]
     return asyncio.run(go())

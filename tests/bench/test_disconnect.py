@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pagoda.bench import disconnect as bench_disconnect
-from pagoda.plugins.client import registered_endpoints
+from pagoda.plugins.manager import registered_endpoints
 from pagoda.plugins.manager import load_plugins
 
 

@@ -27,7 +27,8 @@ from pagoda.api.settings import ServeSettings
 from pagoda.core.request import Request
 from tests.helpers import metric_values, wait_for  # noqa: F401  (re-exported to the disconnect tests)
 from pagoda.harness.live_server import LiveServer, start_server
-from pagoda.plugins.client import ClientRequest, registered_endpoints
+from pagoda.plugins.client import ClientRequest
+from pagoda.plugins.manager import registered_endpoints
 from pagoda.plugins.manager import load_plugins
 
 PLUGINS_ENV: dict[str, str] = {}  # PAGODA_PLUGINS unset: the built-in plugins and every installed one

@@ -24,7 +24,7 @@ from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.plugins import hookimpl
 from pagoda.plugins.manager import load_plugins
-from pagoda.plugins.protocol import ApiError, Endpoint, ErrorShape, Event, Generation
+from pagoda.plugins.protocol import ApiError, Endpoint, EngineRequest, ErrorShape, Event
 from tests.helpers import FakeConnection, await_condition, fake_engine
 
 K = 3  # steps allowed before the exit
@@ -45,7 +45,7 @@ class Count(Endpoint):
 
     def prepare(self, body, ctx):
         params = SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
-        return Generation(body["prompt"], params, stream=body["stream"])
+        return EngineRequest(body["prompt"], params, stream=body["stream"])
 
     def render(self, call, completion):
         return {"tokens": completion.num_output_tokens}
@@ -69,6 +69,7 @@ class GatedRunner:
     def __init__(self, runner):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
         self.allowed = threading.Semaphore(0)
 
     def execute(self, batch):

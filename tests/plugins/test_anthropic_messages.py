@@ -5,7 +5,8 @@ import pytest
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.anthropic_messages import ANTHROPIC_ERRORS, Messages
 from pagoda.plugins.client import ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, RequestError
+from pagoda.plugins.protocol import ApiError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
 
 ENDPOINT = Messages()
@@ -26,10 +27,10 @@ def test_system_blocks_and_messages_reach_the_template():
 
 
 def test_fields_map_to_sampling_params_with_sampling_params_defaults():
-    p = prepared(ENDPOINT, body()).generation.sampling_params
+    p = prepared(ENDPOINT, body()).request.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop, p.ignore_eos) == (8, 1.0, 1.0, 0, (), False)
     p = prepared(ENDPOINT, body(temperature=0, top_p=0.5, top_k=4, stop_sequences=["\n"], seed=2,
-                                ignore_eos=True)).generation.sampling_params
+                                ignore_eos=True)).request.sampling_params
     assert (p.greedy, p.top_p, p.top_k, p.stop, p.seed, p.ignore_eos) == (True, 0.5, 4, ("\n",), 2, True)
 
 
@@ -97,7 +98,7 @@ def test_a_stream_error_is_an_error_event_the_client_half_raises_on():
 def test_the_client_half_asks_what_the_server_half_prepares_and_reads_what_it_renders():
     ask = ClientRequest("abc", 3, stream=True, temperature=0.9, top_k=7, seed=5, ignore_eos=True, model="m")
     call = prepared(ENDPOINT, ENDPOINT.client_request(ask))
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.ignore_eos) == (3, 0.9, 7, 5, True)
     for reason, finish in ((FinishReason.LENGTH, "length"), (FinishReason.STOP, "stop")):
         outs = outputs(call, ["x", "y", "z"], reason=reason)

@@ -1,4 +1,4 @@
-"""Several choices without a server: bodies -> one Generation per choice, the merged unary body and stream."""
+"""Several choices without a server: bodies -> one EngineRequest per choice, the merged unary body and stream."""
 
 import asyncio
 import contextlib
@@ -8,7 +8,7 @@ import pytest
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_chat import ChatCompletions
 from pagoda.plugins.builtin.openai_completions import Completions
-from pagoda.plugins.choices import choice_call, merge
+from pagoda.plugins.choices import choice_exchange, merge
 from tests.helpers import completion, outputs, prepared, read_stream
 
 CHAT = ChatCompletions()
@@ -20,7 +20,7 @@ def test_a_prompt_list_with_n_makes_prompt_times_n_choices_in_openai_order():
     call = prepared(COMPLETIONS, {"model": "m", "prompt": ["ab", [7, 8, 9]], "n": 2, "seed": 10})
     assert [g.prompt_token_ids for g in call.choices] == [[97, 98], [97, 98], [7, 8, 9], [7, 8, 9]]
     assert [g.sampling_params.seed for g in call.choices] == [10, 11, 10, 11]  # choice j: seed + j
-    assert all(g.n == 1 for g in call.choices) and call.generation is call.choices[0]
+    assert all(g.n == 1 for g in call.choices) and call.request is call.choices[0]
 
 
 def test_a_flat_id_list_is_one_prompt_and_n_without_seed_leaves_seeds_to_the_sampler():
@@ -37,7 +37,7 @@ def test_chat_n_makes_n_choices_of_the_one_conversation():
 def test_the_unary_body_holds_every_choice_in_index_order_with_summed_usage():
     call = prepared(COMPLETIONS, {"model": "m", "prompt": ["ab", "cde"], "n": 2, "echo": True})
     texts = [["x"], ["y", "z"], ["u"], ["v", "w", "q"]]
-    reply = COMPLETIONS.render_choices(call, [completion(choice_call(call, k), t) for k, t in enumerate(texts)])
+    reply = COMPLETIONS.render_choices(call, [completion(choice_exchange(call, k), t) for k, t in enumerate(texts)])
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in reply["choices"]] == ["abx", "abyz", "cdeu", "cdevwq"]  # each echoes its prompt
     assert reply["usage"]["prompt_tokens"] == 2 + 3  # each prompt once, as OpenAI counts n
@@ -47,8 +47,8 @@ def test_the_unary_body_holds_every_choice_in_index_order_with_summed_usage():
 
 def test_chat_unary_choices_each_carry_their_message_and_logprobs():
     call = prepared(CHAT, {"model": "m", "messages": MESSAGES, "n": 2, "logprobs": True})
-    reply = CHAT.render_choices(call, [completion(choice_call(call, 0), ["A"], logprobs=True),
-                                       completion(choice_call(call, 1), ["B", "C"], reason=FinishReason.STOP,
+    reply = CHAT.render_choices(call, [completion(choice_exchange(call, 0), ["A"], logprobs=True),
+                                       completion(choice_exchange(call, 1), ["B", "C"], reason=FinishReason.STOP,
                                                   logprobs=True)])
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in reply["choices"]] == \
         [(0, "A", "length"), (1, "BC", "stop")]
@@ -64,7 +64,7 @@ def streamed(endpoint, call, per_choice):
             yield out
 
     async def collect():
-        feeds = [feed(outputs(choice_call(call, k), texts)) for k, texts in enumerate(per_choice)]
+        feeds = [feed(outputs(choice_exchange(call, k), texts)) for k, texts in enumerate(per_choice)]
         return [e async for e in endpoint.render_stream_choices(call, feeds)]
 
     return asyncio.run(collect())

@@ -4,7 +4,8 @@ its server half prepares, and its answer reader reads what its server half rende
 import pytest
 
 from pagoda.core.request import FinishReason
-from pagoda.plugins.client import ClientRequest, endpoints_by_protocol, line_data, registered_endpoints
+from pagoda.plugins.client import ClientRequest, line_data
+from pagoda.plugins.manager import endpoints_by_protocol, registered_endpoints
 from pagoda.plugins.manager import load_plugins
 from pagoda.plugins.protocol import ApiError
 from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
@@ -30,11 +31,11 @@ def test_each_endpoints_client_half_matches_its_server_half(protocol, streamed):
                         model="m")
     ctx = context()
     call = prepared(endpoint, endpoint.client_request(ask), ctx)
-    p = call.generation.sampling_params
-    assert call.generation.stream is streamed
+    p = call.request.sampling_params
+    assert call.request.stream is streamed
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos) == (3, 0.5, 0.9, 5, 11, True)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)  # no one's defaults
-    assert "abc" in ctx.tokenizer.decode(call.generation.prompt_token_ids)
+    assert "abc" in ctx.tokenizer.decode(call.request.prompt_token_ids)
     for reason, finish in ((FinishReason.LENGTH, "length"), (FinishReason.STOP, "stop")):
         if streamed:
             answer = read_stream(endpoint, stream(endpoint, call, outputs(call, ["x", "y", "z"], reason=reason)))

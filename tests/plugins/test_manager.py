@@ -25,7 +25,8 @@ from pagoda.plugins.manager import (
     describe_plugins,
     load_plugins,
 )
-from pagoda.plugins.protocol import Endpoint, ErrorShape, RequestError
+from pagoda.plugins.protocol import Endpoint, ErrorShape
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import Route, ServedModel
 from tests.helpers import fake_engine
 
@@ -41,13 +42,16 @@ def test_builtin_plugins_provide_the_four_protocols_and_the_abort_policy():
     policies = collect_disconnect_policies(pm)
     assert sorted(policies) == ["abort", "finish"] and isinstance(policies["abort"], AbortOnDisconnect)
     infos = {i.name: i for i in describe_plugins(pm)}
-    assert infos["pagoda.plugins.builtin.openai_chat"].origin == "built-in"
-    assert infos["pagoda.plugins.builtin.openai_chat"].hooks == ("pagoda_register_protocols",)
-    assert infos["pagoda.plugins.builtin.openai_chat"].provides == ("POST /v1/chat/completions (openai-chat)",)
+    assert infos["openai_chat"].origin == "built-in"
+    assert infos["openai_chat"].hooks == ("pagoda_model_card", "pagoda_register_protocols")
+    assert infos["openai_chat"].provides == ("POST /v1/chat/completions (openai-chat)",
+                                             "model card fields: id, object, created, owned_by")
     assert {r.method_path for r in collect_routes(pm)} == BUILTIN_ROUTES
-    assert infos["pagoda.plugins.builtin.models"].provides == (
+    assert infos["models"].provides == (
         "GET /v1/models", "GET /v1/models/{model_id:str}", "model card fields: max_model_len")
-    assert infos["pagoda.plugins.builtin.chat_page"].provides == ("GET /",)
+    assert infos["chat_page"].provides == ("GET /",)
+    assert infos["anthropic_messages"].provides[:2] == ("POST /v1/messages (anthropic-messages)",
+                                                        "POST /v1/messages/count_tokens")
 
 
 def test_each_protocol_family_adds_its_own_fields_to_the_model_card():
@@ -57,9 +61,9 @@ def test_each_protocol_family_adds_its_own_fields_to_the_model_card():
                     "type": "model", "display_name": "m", "created_at": "2023-11-14T22:13:20Z",  # Anthropic's
                     "max_model_len": 512}  # pagoda's
     infos = {i.name: i for i in describe_plugins(pm)}
-    assert infos["pagoda.plugins.builtin.openai_common"].provides == ("model card fields: id, object, created, owned_by",)
-    assert "model card fields: id, type, display_name, created_at" in infos[
-        "pagoda.plugins.builtin.anthropic_messages"].provides
+    for name in ("openai_completions", "openai_chat", "openai_responses"):  # each can be left out alone
+        assert "model card fields: id, object, created, owned_by" in infos[name].provides
+    assert "model card fields: id, type, display_name, created_at" in infos["anthropic_messages"].provides
 
 
 def test_two_plugins_giving_one_card_field_two_values_are_refused():
@@ -205,9 +209,31 @@ def test_the_plugins_command_lists_plugins_hooks_and_origins(capsys, monkeypatch
     assert cli_main(["plugins", "--json"]) == 0
     listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
     assert set(listed) == set(BUILTIN_PLUGINS) | {"ollama"}
-    assert listed["pagoda.plugins.builtin.disconnect_abort"]["provides"] == ["disconnect policy 'abort'"]
+    assert listed["disconnect_abort"]["provides"] == ["disconnect policy 'abort'"]
     assert listed["ollama"]["origin"].startswith("pagoda-ollama ")
     assert cli_main(["plugins"]) == 0
     text = capsys.readouterr().out
     assert "ollama  (pagoda-ollama" in text and "POST /api/chat (ollama-chat)" in text
     assert "    GET /v1/models/{model_id:str}" in text and "    GET /\n" in text
+
+
+def test_plugins_are_left_out_by_name_and_listed_as_disabled(capsys, monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "ollama, chat_page")
+    pm = load_plugins(disabled=["tokenize"])
+    assert not {"tokenize", "chat_page", "ollama"} & {name for name, plugin in pm.list_name_plugin() if plugin}
+    assert {r.method_path for r in collect_routes(pm)} == BUILTIN_ROUTES - {"GET /", "POST /tokenize",
+                                                                            "POST /detokenize"}
+    assert cli_main(["plugins", "--json", "--disable-plugin", "models"]) == 0
+    listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert {n for n, p in listed.items() if p["disabled"]} == {"models", "chat_page", "ollama"}
+    assert listed["ollama"]["origin"] == "installed" and listed["models"]["origin"] == "built-in"
+    assert cli_main(["plugins"]) == 0
+    assert "chat_page  (built-in, disabled)" in capsys.readouterr().out
+
+
+def test_disabling_a_plugin_that_does_not_exist_is_an_error(monkeypatch):
+    with pytest.raises(PluginError, match="cannot disable 'nope': no plugin has that name"):
+        load_plugins({}, disabled=["nope"])
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "nope")
+    with pytest.raises(SystemExit, match="no plugin has that name"):
+        cli_main(["plugins"])

@@ -5,7 +5,7 @@ import pytest
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_chat import ChatCompletions
 from pagoda.plugins.client import ClientRequest
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import (
     completion,
     context,
@@ -32,15 +32,15 @@ def test_messages_reach_the_template_as_role_and_text():
     call = prepared(ENDPOINT, body(messages=messages), ctx)
     assert ctx.tokenizer.chats == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
                                     {"role": "assistant", "content": ""}]]
-    assert call.generation.prompt_token_ids == ctx.tokenizer.encode("<system>be brief<user>a\nb<assistant><assistant>")
+    assert call.request.prompt_token_ids == ctx.tokenizer.encode("<system>be brief<user>a\nb<assistant><assistant>")
 
 
 def test_max_completion_tokens_wins_and_logprobs_map():
     call = prepared(ENDPOINT, body(max_tokens=9, max_completion_tokens=4, logprobs=True, top_logprobs=3))
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert p.max_tokens == 4 and p.logprobs == 3
-    assert prepared(ENDPOINT, body(logprobs=True)).generation.sampling_params.logprobs == 0
-    assert prepared(ENDPOINT, body()).generation.sampling_params.logprobs is None
+    assert prepared(ENDPOINT, body(logprobs=True)).request.sampling_params.logprobs == 0
+    assert prepared(ENDPOINT, body()).request.sampling_params.logprobs is None
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -95,7 +95,7 @@ def test_the_client_half_asks_what_the_server_half_prepares_and_reads_what_it_re
     ctx = context()
     ask = ClientRequest("abc", 2, stream=True, temperature=0.5, seed=1, ignore_eos=True, model="m")
     call = prepared(ENDPOINT, ENDPOINT.client_request(ask), ctx)
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert ctx.tokenizer.chats == [[{"role": "user", "content": "abc"}]]
     assert (p.max_tokens, p.temperature, p.seed, p.ignore_eos) == (2, 0.5, 1, True) and call.body.include_usage
     streamed = read_stream(ENDPOINT, stream(ENDPOINT, call, outputs(call, ["x", "y"], reason=FinishReason.STOP)))

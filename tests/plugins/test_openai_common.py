@@ -8,14 +8,16 @@ from pagoda.plugins.builtin.openai_chat import ChatCompletions
 from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.builtin.openai_responses import Responses
 from pagoda.plugins.client import ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, RequestError
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
+from pagoda.plugins.protocol import ApiError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import context, decode, outputs, prepared
 
 ENDPOINTS = (Completions(), ChatCompletions(), Responses())
 
 
 def test_the_three_endpoints_share_one_error_shape():
-    assert all(e.errors is oc.OPENAI_ERRORS for e in ENDPOINTS)
+    assert all(e.errors is OPENAI_ERRORS for e in ENDPOINTS)
 
 
 @pytest.mark.parametrize(("status", "kind", "code"), [
@@ -27,31 +29,31 @@ def test_the_three_endpoints_share_one_error_shape():
     (500, "server_error", None), (503, "server_error", None),
 ])
 def test_every_status_has_its_openai_type(status, kind, code):
-    body = oc.OPENAI_ERRORS.render_error(ApiError(status, "why", "field"))
+    body = OPENAI_ERRORS.render_error(ApiError(status, "why", "field"))
     assert body == {"error": {"message": "why", "type": kind, "param": "field", "code": code}}
 
 
 def test_an_errors_own_code_wins_and_a_body_reads_back():
     error = ApiError(400, "too long", "max_tokens", "context_length_exceeded")
-    body = oc.OPENAI_ERRORS.render_error(error)
+    body = OPENAI_ERRORS.render_error(error)
     assert body["error"]["code"] == "context_length_exceeded"
-    assert oc.OPENAI_ERRORS.read_error(400, body) == error
+    assert OPENAI_ERRORS.read_error(400, body) == error
 
 
 def test_a_stream_error_is_one_unnamed_data_event():
-    [event] = oc.OPENAI_ERRORS.render_stream_error(ApiError(500, "device lost"))
+    [event] = OPENAI_ERRORS.render_stream_error(ApiError(500, "device lost"))
     assert event.name is None and event.data["error"]["type"] == "server_error"
 
 
 def test_sampling_defaults_are_sampling_params_own():
     call = prepared(ChatCompletions(), {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    params = call.generation.sampling_params
+    params = call.request.sampling_params
     assert (params.temperature, params.top_p, params.top_k, params.stop) == (1.0, 1.0, 0, ())
 
 
 def test_vllms_top_k_minus_one_is_off_and_a_single_stop_string_is_a_tuple():
     body = {"model": "m", "prompt": "x", "top_k": -1, "stop": "\n", "temperature": 0}
-    params = prepared(Completions(), body).generation.sampling_params
+    params = prepared(Completions(), body).request.sampling_params
     assert params.top_k == 0 and params.stop == ("\n",) and params.greedy
 
 
@@ -67,7 +69,7 @@ def test_an_empty_stop_string_is_refused_naming_stop(endpoint):
 def test_stop_strings_are_bounded_by_the_configured_limits(endpoint):
     import dataclasses
 
-    from pagoda.plugins.protocol import RequestLimits
+    from pagoda.plugins.request_fields import RequestLimits
 
     many = {"stop": [str(i) for i in range(17)], **endpoint.client_request(ClientRequest("hi", 4))}
     with pytest.raises(RequestError, match="at most 16 strings") as info:
@@ -76,7 +78,7 @@ def test_stop_strings_are_bounded_by_the_configured_limits(endpoint):
     with pytest.raises(RequestError, match="at most 1000 characters"):
         prepared(endpoint, {**many, "stop": ["x" * 100_000]})
     roomy = dataclasses.replace(context(), limits=RequestLimits(max_stop=32))
-    assert len(prepared(endpoint, many, roomy).generation.sampling_params.stop) == 17
+    assert len(prepared(endpoint, many, roomy).request.sampling_params.stop) == 17
 
 
 def test_n_and_logit_bias_are_checked_once():
@@ -86,7 +88,7 @@ def test_n_and_logit_bias_are_checked_once():
     with pytest.raises(RequestError) as info:
         prepared(Completions(), {"model": "m", "prompt": "x", "logit_bias": {"a": 1}})
     assert info.value.param == "logit_bias"
-    params = prepared(Completions(), {"model": "m", "prompt": "x", "logit_bias": {"7": -100}}).generation.sampling_params
+    params = prepared(Completions(), {"model": "m", "prompt": "x", "logit_bias": {"7": -100}}).request.sampling_params
     assert params.logit_bias == {7: -100.0}
 
 
@@ -121,4 +123,4 @@ def test_a_choices_answer_raises_on_an_error_event_and_skips_done():
     answer = Completions().client_answer()
     answer.event("[DONE]")
     with pytest.raises(ClientError, match="device lost"):
-        answer.event(oc.OPENAI_ERRORS.render_error(ApiError(500, "device lost")))
+        answer.event(OPENAI_ERRORS.render_error(ApiError(500, "device lost")))

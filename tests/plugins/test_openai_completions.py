@@ -5,7 +5,7 @@ import pytest
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.client import ClientRequest
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
 
 ENDPOINT = Completions()
@@ -16,25 +16,25 @@ def body(**fields):
 
 
 def test_a_text_prompt_is_encoded_and_token_ids_are_taken_as_they_are():
-    assert prepared(ENDPOINT, body()).generation.prompt_token_ids == [97, 98, 99]
-    assert prepared(ENDPOINT, body(prompt=[5, 6])).generation.prompt_token_ids == [5, 6]
-    assert prepared(ENDPOINT, body(prompt=["ab"])).generation.prompt_token_ids == [97, 98]  # a batch of one
+    assert prepared(ENDPOINT, body()).request.prompt_token_ids == [97, 98, 99]
+    assert prepared(ENDPOINT, body(prompt=[5, 6])).request.prompt_token_ids == [5, 6]
+    assert prepared(ENDPOINT, body(prompt=["ab"])).request.prompt_token_ids == [97, 98]  # a batch of one
 
 
 def test_fields_map_to_sampling_params():
     call = prepared(ENDPOINT, body(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3,
                                    stop=["x"], presence_penalty=0.5, frequency_penalty=-0.5,
                                    repetition_penalty=1.2, ignore_eos=True, logprobs=2, stream=True))
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.stop) == (7, 0.5, 0.9, 5, 0.1, 3, ("x",))
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.ignore_eos, p.logprobs) == \
         (0.5, -0.5, 1.2, True, 2)
-    assert call.generation.stream
+    assert call.request.stream
 
 
 def test_no_max_tokens_is_what_fits():
     call = prepared(ENDPOINT, body(), context(max_model_len=100, max_kv_tokens=1000))
-    assert call.generation.sampling_params.max_tokens == 97  # 100 - 3 prompt tokens
+    assert call.request.sampling_params.max_tokens == 97  # 100 - 3 prompt tokens
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -89,8 +89,8 @@ def test_without_include_usage_there_is_no_usage_chunk():
 def test_the_client_half_asks_what_the_server_half_prepares():
     ask = ClientRequest("abc", 6, stream=True, temperature=0.7, top_p=0.8, top_k=4, seed=9, model="m")
     call = prepared(ENDPOINT, ENDPOINT.client_request(ask))
-    p = call.generation.sampling_params
-    assert call.generation.prompt_token_ids == [97, 98, 99] and call.generation.stream
+    p = call.request.sampling_params
+    assert call.request.prompt_token_ids == [97, 98, 99] and call.request.stream
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos) == (6, 0.7, 0.8, 4, 9, False)
     assert call.body.include_usage
 

@@ -5,7 +5,8 @@ import pytest
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin.openai_responses import Responses
 from pagoda.plugins.client import ClientError, ClientRequest
-from pagoda.plugins.protocol import ApiError, RequestError
+from pagoda.plugins.protocol import ApiError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import completion, context, outputs, prepared, read_stream, read_unary, stream
 
 ENDPOINT = Responses()
@@ -30,10 +31,10 @@ def test_instructions_are_the_system_message_and_items_keep_their_roles():
 def test_fields_map_to_sampling_params():
     call = prepared(ENDPOINT, body(max_output_tokens=5, temperature=0, top_logprobs=2, stop="\n", seed=4, top_k=-1,
                                    ignore_eos=True))
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert (p.max_tokens, p.greedy, p.logprobs, p.stop, p.seed, p.top_k, p.ignore_eos) == \
         (5, True, 2, ("\n",), 4, 0, True)
-    p = prepared(ENDPOINT, body()).generation.sampling_params
+    p = prepared(ENDPOINT, body()).request.sampling_params
     assert (p.temperature, p.top_p, p.logprobs) == (1.0, 1.0, None)
 
 
@@ -88,7 +89,7 @@ def test_a_stream_error_continues_the_numbering_with_openais_error():
 def test_the_client_half_asks_what_the_server_half_prepares_and_reads_what_it_renders():
     ask = ClientRequest("abc", 2, stream=True, top_p=0.5, top_k=3, model="m")
     call = prepared(ENDPOINT, ENDPOINT.client_request(ask))
-    p = call.generation.sampling_params
+    p = call.request.sampling_params
     assert (p.max_tokens, p.top_p, p.top_k, p.greedy) == (2, 0.5, 3, True)
     streamed = read_stream(ENDPOINT, stream(ENDPOINT, call, outputs(call, ["x", "y"])))
     unary = read_unary(ENDPOINT, ENDPOINT.render(call, completion(call, ["x", "y"])))

@@ -34,9 +34,9 @@ def call_for(protocol, **fields):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_cache_salt_reaches_the_engine_request(protocol):
     _, call = call_for(protocol, cache_salt="tenant-a")
-    assert call.generation.cache_salt == "tenant-a"
+    assert call.request.cache_salt == "tenant-a"
     _, call = call_for(protocol)
-    assert call.generation.cache_salt is None
+    assert call.request.cache_salt is None
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -114,7 +114,7 @@ def test_the_client_half_sends_the_salt_and_the_earlier_turns(protocol):
     body = endpoint.client_request(ask)
     assert body["cache_salt"] == "s1"
     call = prepared(endpoint, body)  # the server accepts what its client half sends
-    assert call.generation.cache_salt == "s1"
+    assert call.request.cache_salt == "s1"
     if protocol == "completions":
         assert body["prompt"] == "first answer oneand now?"
     else:

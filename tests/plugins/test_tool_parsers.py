@@ -8,21 +8,9 @@ import pytest
 from pagoda.plugins.builtin.tool_parsers import HERMES, LLAMA3_JSON
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.manager import PluginError, collect_tool_parsers, describe_plugins, load_plugins
-from pagoda.plugins.protocol import RequestError
-from pagoda.plugins.tools import (
-    ArgumentsDelta,
-    CallEnded,
-    CallStarted,
-    ParsedCall,
-    TextDelta,
-    Tool,
-    ToolChoice,
-    ToolParser,
-    check_schema,
-    check_tools,
-    collect,
-    plain_messages,
-)
+from pagoda.plugins.request_fields import RequestError
+from pagoda.plugins.tools import Tool, ToolChoice, ToolParser, check_schema, check_tools, plain_messages
+from pagoda.plugins.tool_stream import ArgumentsDelta, CallEnded, CallStarted, ParsedCall, TextDelta, collect
 
 WEATHER = Tool("get_weather", "the weather in a city",
                {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
@@ -148,7 +136,7 @@ class BracketPlugin:
 def test_parsers_are_plugins_collected_by_name():
     pm = load_plugins({"PAGODA_PLUGINS": "none"})
     assert set(collect_tool_parsers(pm)) == {"hermes", "llama3_json"}
-    builtin = next(i for i in describe_plugins(pm) if i.name == "pagoda.plugins.builtin.tool_parsers")
+    builtin = next(i for i in describe_plugins(pm) if i.name == "tool_parsers")
     assert builtin.provides == ("tool parser 'hermes'", "tool parser 'llama3_json'")
     pm.register(BracketPlugin(), name="bracket")
     try:

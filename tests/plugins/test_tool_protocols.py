@@ -12,7 +12,7 @@ from pagoda.plugins.builtin.openai_chat import ChatCompletions
 from pagoda.plugins.builtin.openai_completions import Completions
 from pagoda.plugins.builtin.openai_responses import Responses
 from pagoda.plugins.builtin.tool_parsers import HERMES
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
 from tests.helpers import completion, context, outputs, prepared, stream
 
 CHAT, RESPONSES, MESSAGES, COMPLETIONS = ChatCompletions(), Responses(), Messages(), Completions()
@@ -62,8 +62,8 @@ def anthropic(**fields):
 ])
 def test_structured_output_fields_become_the_constraint(endpoint, body, expected):
     call = prepared(endpoint, body)
-    assert call.generation.sampling_params.constraint == expected
-    assert call.generation.tool_parser is None
+    assert call.request.sampling_params.constraint == expected
+    assert call.request.tool_parser is None
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), [
@@ -101,11 +101,11 @@ def test_tools_reach_the_prompt_and_the_constraint(endpoint, body, forced):
     call = prepared(endpoint, body, ctx)
     system = ctx.tokenizer.chats[0][0]
     assert system["role"] == "system" and system["content"].startswith("# Tools") and '"get_weather"' in system["content"]
-    constraint = call.generation.sampling_params.constraint
+    constraint = call.request.sampling_params.constraint
     assert constraint.kind == "structural_tag" and constraint.field == "tools"
     fmt = json.loads(constraint.spec)["format"]
     assert (fmt["type"] != "triggered_tags") == forced
-    assert call.generation.tool_parser is HERMES
+    assert call.request.tool_parser is HERMES
 
 
 @pytest.mark.parametrize(("endpoint", "body"), [
@@ -116,7 +116,7 @@ def test_tools_reach_the_prompt_and_the_constraint(endpoint, body, forced):
 def test_tool_choice_none_is_plain_text(endpoint, body):
     ctx = context()
     call = prepared(endpoint, body, ctx)
-    assert call.generation.sampling_params.constraint is None and call.generation.tool_parser is None
+    assert call.request.sampling_params.constraint is None and call.request.tool_parser is None
     assert "# Tools" not in json.dumps(ctx.tokenizer.chats)
 
 
@@ -290,7 +290,7 @@ def test_a_constrained_client_request_is_prepared_into_the_schema_constraint(end
     from pagoda.plugins.client import ClientRequest
 
     ask = ClientRequest("Paris?", 32, json_schema=SCHEMA, model="m")
-    constraint = prepared(endpoint, endpoint.client_request(ask)).generation.sampling_params.constraint
+    constraint = prepared(endpoint, endpoint.client_request(ask)).request.sampling_params.constraint
     assert constraint.kind == "json_schema" and json.loads(constraint.spec) == SCHEMA
     assert prepared(endpoint, endpoint.client_request(ClientRequest("Paris?", 32, model="m"))) \
-        .generation.sampling_params.constraint is None
+        .request.sampling_params.constraint is None

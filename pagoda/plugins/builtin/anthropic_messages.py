@@ -1,22 +1,30 @@
-"""Anthropic messages: POST /v1/messages (system + messages, named SSE events)."""
+"""Anthropic messages: POST /v1/messages (system + messages, named SSE events), and its token count.
+
+    /v1/messages               the endpoint
+    /v1/messages/count_tokens  a messages body without max_tokens -> {"input_tokens"}: the endpoint's own
+                               `prepare` counts it, so the count is the prompt a message would be generated
+                               from (system, template and all); answered in Anthropic's error shape
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from litestar.params import JSONBody
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin import anthropic_tools as at
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import ApiError, CacheSalt, Call, Completion, Endpoint, ErrorShape
-from pagoda.plugins.protocol import Event, Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
-from pagoda.plugins.route import ServedModel
-from pagoda.plugins.tools import tool_use
+from pagoda.plugins.protocol import Answer, ApiError, CacheSalt, Endpoint, EngineRequest, ErrorShape, Event, Exchange
+from pagoda.plugins.protocol import ServeContext
+from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.route import Route, RouteContext, ServedModel
+from pagoda.plugins.tools import CallHistory, tool_use
 
 
 class TextBlock(msgspec.Struct):
@@ -63,7 +71,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     ignore_eos: bool = False
-    cache_salt: CacheSalt | None = None  # the prefix cache's key (Generation.cache_salt)
+    cache_salt: CacheSalt | None = None  # the prefix cache's key (EngineRequest.cache_salt)
     tools: list[at.AnthropicTool] | None = None
     tool_choice: at.AnthropicToolChoice | None = None
     output_config: at.OutputConfig | None = None
@@ -78,10 +86,10 @@ def conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     if not body.messages:
         raise RequestError("messages: at least one message is required", "messages")
-    called: set[str] = set()
+    history = CallHistory()
     for i, m in enumerate(body.messages):
         if not isinstance(m.content, str) and any(b.type in ("tool_use", "tool_result") for b in m.content):
-            messages += at.message_entries(m.role, m.content, i, called)
+            messages += at.message_entries(m.role, m.content, i, history)
         else:
             messages.append({"role": m.role, "content": blocks_text(m.content, f"messages.{i}.content")})
     return messages
@@ -129,9 +137,9 @@ class Messages(Endpoint):
     id_prefix = "msg_"
     errors = ANTHROPIC_ERRORS
 
-    def prepare(self, body: MessagesRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: MessagesRequest, ctx: ServeContext) -> EngineRequest:
         tools = at.tools_of(body.tools)
-        constraint, parser, listed = tool_use(ctx, tools, at.choice_of(body.tool_choice, tools),
+        constraint, parser, listed = tool_use(ctx.tool_parser, tools, at.choice_of(body.tool_choice, tools),
                                               at.output_format(body.output_config), "output_config.format")
         ids = ctx.encode_chat(conversation(body), listed)
         params = make_sampling_params(
@@ -148,45 +156,44 @@ class Messages(Endpoint):
             stop=body.stop_sequences,
             constraint=constraint,
         )
-        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
 
-    def _message(self, call: Call, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
+    def _message(self, exchange: Exchange, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
                  output_tokens: int, cached_tokens: int) -> dict[str, Any]:
         return {
-            "id": call.id,
+            "id": exchange.id,
             "type": "message",
             "role": "assistant",
-            "model": call.model,
+            "model": exchange.model,
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": usage(call.num_prompt_tokens, output_tokens, cached_tokens),
+            "usage": usage(exchange.num_prompt_tokens, output_tokens, cached_tokens),
         }
 
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        reason, sequence = stop_reason(completion.finish_reason, completion.stop_reason)
-        content = [{"type": "text", "text": completion.text}]
-        parser = call.generation.tool_parser
-        if parser is not None:  # the blocks the stream builds, from the whole text at once
-            blocks, reader = at.Blocks(call), parser.stream()
-            blocks.apply(reader.feed(completion.text) + reader.finish())
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        reason, sequence = stop_reason(answer.finish_reason, answer.stop_reason)
+        content = [{"type": "text", "text": answer.text}]
+        if exchange.request.tool_parser is not None:  # the blocks the stream builds, from the whole text at once
+            blocks = at.Blocks(exchange)
+            blocks.whole(answer.text)
             blocks.close()
             content = blocks.blocks
             reason = "tool_use" if blocks.num_calls and reason == "end_turn" else reason
-        return self._message(call, content, reason, sequence, completion.num_output_tokens,
-                             completion.num_cached_tokens)
+        return self._message(exchange, content, reason, sequence, answer.num_output_tokens,
+                             answer.num_cached_tokens)
 
-    async def _tool_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        """The stream of an answer read for tool calls: a block opens when its text or call begins."""
-        blocks, reader = at.Blocks(call), call.generation.tool_parser.stream()
+    async def _tool_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
+        """The stream of an answer read for tool calls: a block opens when its text or exchange begins."""
+        blocks = at.Blocks(exchange)
         last = None
-        async for out in outputs:
+        async for out in deltas:
             if last is None:
-                start = self._message(call, [], None, None, 0, out.num_cached_tokens)
+                start = self._message(exchange, [], None, None, 0, out.num_cached_tokens)
                 yield Event({"type": "message_start", "message": start}, "message_start")
                 yield Event({"type": "ping"}, "ping")
             last = out
-            for event in blocks.apply(reader.feed(out.new_text) + (reader.finish() if out.finished else [])):
+            for event in blocks.delta(out):
                 yield event
         if last is None:
             return
@@ -195,21 +202,21 @@ class Messages(Endpoint):
         reason, sequence = stop_reason(last.finish_reason, last.stop_reason)
         reason = "tool_use" if blocks.num_calls and reason == "end_turn" else reason
         yield Event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                     "usage": usage(call.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
+                     "usage": usage(exchange.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
                     "message_delta")
         yield Event({"type": "message_stop"}, "message_stop")
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        if call.generation.tool_parser is not None:
-            async for event in self._tool_stream(call, outputs):
+    async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
+        if exchange.request.tool_parser is not None:
+            async for event in self._tool_stream(exchange, deltas):
                 yield event
             return
         # message_start waits for the first output: only then is the prefix-cache hit (its usage) known. The
         # server has already sent a keep-alive comment at admission, so the stream is not silent meanwhile.
         last = None
-        async for out in outputs:
+        async for out in deltas:
             if last is None:
-                start = self._message(call, [], None, None, 0, out.num_cached_tokens)
+                start = self._message(exchange, [], None, None, 0, out.num_cached_tokens)
                 yield Event({"type": "message_start", "message": start}, "message_start")
                 yield Event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
                             "content_block_start")
@@ -224,12 +231,14 @@ class Messages(Endpoint):
         reason, sequence = stop_reason(last.finish_reason, last.stop_reason)
         # cumulative usage: newer SDKs take the input counts from here too, older ones only output_tokens
         yield Event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                     "usage": usage(call.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
+                     "usage": usage(exchange.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)},
                     "message_delta")
         yield Event({"type": "message_stop"}, "message_stop")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
-        body = {**ask.sampling_fields(), "messages": ask.messages(), "max_tokens": ask.max_tokens}
+        body = {**ask.sampling_fields(), "messages": ask.messages(with_system=False), "max_tokens": ask.max_tokens}
+        if ask.system:
+            body["system"] = ask.system
         if ask.json_schema is not None:
             body["output_config"] = {"format": {"type": "json_schema", "schema": ask.json_schema}}
         return body
@@ -267,9 +276,35 @@ class MessageAnswer(ClientAnswer):
         self.output_tokens = output_tokens
 
 
+def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
+    """The handler of POST /v1/messages/count_tokens."""
+    if ctx.serving is None:
+        raise RuntimeError("count_tokens needs a served model's tokenizer")
+    serving, endpoint = ctx.serving, Messages()
+
+    async def count_tokens(data: JSONBody[dict[str, Any]]) -> dict[str, int]:
+        """Anthropic's token count of a messages request: {"input_tokens": N}."""
+        try:  # the messages body, less max_tokens (and stream), which a count does not need
+            body = msgspec.convert({**data, "max_tokens": 1, "stream": False}, MessagesRequest)
+        except msgspec.ValidationError as exc:
+            where = str(exc).rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in str(exc) else None
+            raise RequestError(f"{where + ': ' if where else ''}{str(exc).partition(' - at ')[0]}", where) from None
+        if body.model != ctx.model.name and body.model not in ctx.model.aliases:
+            raise RequestError(f"model {body.model!r} does not exist; this server serves {ctx.model.name!r}",
+                               "model", status=404, code="model_not_found")
+        return {"input_tokens": len(endpoint.prepare(body, serving).prompt_token_ids)}
+
+    return count_tokens
+
+
 @hookimpl
 def pagoda_register_protocols(register):
     register(Messages())
+
+
+@hookimpl
+def pagoda_register_routes(register):
+    register(Route("POST", "/v1/messages/count_tokens", make_count_tokens, errors=ANTHROPIC_ERRORS))
 
 
 @hookimpl

@@ -12,16 +12,16 @@
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from pagoda.core.constraint import Constraint
-from pagoda.plugins.protocol import Call, Event, RequestError
-from pagoda.plugins.tools import ArgumentsDelta, CallEnded, CallStarted, TextDelta, Tool, ToolChoice, ToolEvent
-from pagoda.plugins.tools import check_schema, check_tools
+from pagoda.plugins.protocol import Event, Exchange
+from pagoda.plugins.request_fields import RequestError
+from pagoda.plugins.tool_render import ToolRenderer
+from pagoda.plugins.tools import CallHistory, Tool, ToolChoice, check_schema, check_tools
 
 
 class AnthropicTool(msgspec.Struct, kw_only=True):
@@ -78,7 +78,7 @@ def output_format(config: OutputConfig | None) -> Constraint | None:
                                   "output_config.format")
 
 
-def message_entries(role: str, blocks: Sequence[Any], i: int, called: set[str]) -> list[dict[str, Any]]:
+def message_entries(role: str, blocks: Sequence[Any], i: int, history: CallHistory) -> list[dict[str, Any]]:
     """One message's blocks as chat-template messages: text joined; tool_use -> tool_calls; tool_result -> a tool
     message (before the text that follows it), which must name an earlier tool_use."""
     texts: list[str] = []
@@ -91,12 +91,10 @@ def message_entries(role: str, blocks: Sequence[Any], i: int, called: set[str]) 
         elif b.type == "tool_use" and role == "assistant":
             if not b.id or not b.name:
                 raise RequestError(f"{where}: a tool_use block needs id and name", f"{where}.id")
-            called.add(b.id)
+            history.called(b.id)
             calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}})
         elif b.type == "tool_result" and role == "user":
-            if b.tool_use_id not in called:
-                raise RequestError(f"{where}.tool_use_id {b.tool_use_id!r} names no earlier tool_use block",
-                                   f"{where}.tool_use_id")
+            history.check_result(b.tool_use_id, f"{where}.tool_use_id", "tool_use block")
             results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b.content, where)})
         else:
             raise RequestError(f"{where}: content of type {b.type!r} is not supported here", where)
@@ -119,46 +117,43 @@ def _result_text(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-class Blocks:
-    """The answer's content blocks, built from the parser's events; `apply` gives each step's stream events."""
+class Blocks(ToolRenderer[Event]):
+    """The answer's content blocks, built from the parser's events, with each step's stream events."""
 
-    def __init__(self, call: Call) -> None:
-        self.call = call
+    call_id_prefix = "toolu_"
+
+    def __init__(self, exchange: Exchange) -> None:
+        super().__init__(exchange)
         self.blocks: list[dict[str, Any]] = []
-        self.arguments: dict[int, list[str]] = {}  # the parser's call index -> its JSON text so far
+        self.arguments_of: dict[int, list[str]] = {}  # the parser's call index -> its JSON text so far
         self.at: dict[int, int] = {}  # the parser's call index -> its block index
         self.open: int | None = None  # the block being written
 
-    def apply(self, events: Sequence[ToolEvent]) -> list[Event]:
-        out: list[Event] = []
-        for e in events:
-            if isinstance(e, TextDelta):
-                if self.open is None or self.blocks[self.open]["type"] != "text":
-                    out += self._stop() + self._start({"type": "text", "text": ""})
-                self.blocks[self.open]["text"] += e.text
-                out.append(self._delta({"type": "text_delta", "text": e.text}))
-            elif isinstance(e, CallStarted):
-                out += self._stop()
-                self.arguments[e.index] = []
-                self.at[e.index] = len(self.blocks)
-                out += self._start({"type": "tool_use", "id": f"toolu_{secrets.token_hex(12)}", "name": e.name,
-                                    "input": {}})
-            elif isinstance(e, ArgumentsDelta):
-                self.arguments[e.index].append(e.text)
-                out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
-            elif isinstance(e, CallEnded):
-                self.blocks[self.at[e.index]]["input"] = _input("".join(self.arguments[e.index]))
-                out += self._stop()
-        return out
+    def text(self, text: str) -> list[Event]:
+        out = []
+        if self.open is None or self.blocks[self.open]["type"] != "text":
+            out = self._stop() + self._start({"type": "text", "text": ""})
+        self.blocks[self.open]["text"] += text
+        return out + [self._delta({"type": "text_delta", "text": text})]
+
+    def call_started(self, index: int, name: str) -> list[Event]:
+        out = self._stop()
+        self.arguments_of[index] = []
+        self.at[index] = len(self.blocks)
+        return out + self._start({"type": "tool_use", "id": self.call_id(index), "name": name, "input": {}})
+
+    def arguments(self, index: int, text: str) -> list[Event]:
+        self.arguments_of[index].append(text)
+        return [self._delta({"type": "input_json_delta", "partial_json": text})]
+
+    def call_ended(self, index: int) -> list[Event]:
+        self.blocks[self.at[index]]["input"] = _input("".join(self.arguments_of[index]))
+        return self._stop()
 
     def close(self) -> list[Event]:
         for index, block in self.at.items():
-            self.blocks[block]["input"] = _input("".join(self.arguments[index]))
+            self.blocks[block]["input"] = _input("".join(self.arguments_of[index]))
         return self._stop()
-
-    @property
-    def num_calls(self) -> int:
-        return len(self.at)
 
     def _start(self, block: dict[str, Any]) -> list[Event]:
         self.blocks.append(block)

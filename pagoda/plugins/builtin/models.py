@@ -1,8 +1,8 @@
 """GET /v1/models and GET /v1/models/{model_id}: the served model's card, for the openai and anthropic SDKs.
 
 The card is not written here: each protocol family adds its own fields through
-the `pagoda_model_card` hook (OpenAI's id/object/created/owned_by in
-openai_common, Anthropic's id/type/display_name/created_at in
+the `pagoda_model_card` hook (OpenAI's id/object/created/owned_by from each
+OpenAI endpoint, Anthropic's id/type/display_name/created_at from
 anthropic_messages), and the server merges them into `RouteContext.card`.
 This plugin adds pagoda's own `max_model_len` and serves the card. The list
 envelope is read by both SDKs: OpenAI's reads `object` and `data`, Anthropic's
@@ -17,9 +17,9 @@ from typing import Any
 
 from litestar.params import FromPath
 
-from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import RequestError
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import Route, RouteContext, ServedModel
 
 

@@ -7,14 +7,17 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.builtin import openai_tools as ot
 from pagoda.plugins.client import ClientRequest
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
-from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
-from pagoda.plugins.tools import ArgumentsDelta, CallStarted, TextDelta, ToolEvent, parse_arguments, tool_use
+from pagoda.plugins.protocol import Answer, Endpoint, EngineRequest, Event, Exchange, ServeContext
+from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.route import ServedModel
+from pagoda.plugins.tool_render import ToolRenderer
+from pagoda.plugins.tools import CallHistory, parse_arguments, tool_use
 
 
 class ContentPart(msgspec.Struct):
@@ -73,7 +76,7 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
     if not messages:
         raise RequestError(f"{field} must hold at least one message", field)
     out: list[dict[str, Any]] = []
-    called: set[str] = set()
+    history = CallHistory()
     for i, m in enumerate(messages):
         message: dict[str, Any] = oc.template_message(m.role, join_text_parts(m.content, f"{field}[{i}].content"))
         if m.tool_calls:
@@ -82,13 +85,12 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
                     "name": c.function.name,
                     "arguments": parse_arguments(c.function.arguments, f"{field}[{i}].tool_calls[{j}].function.arguments")}}
                 for j, c in enumerate(m.tool_calls)]
-            called.update(c.id for c in m.tool_calls)
+            for c in m.tool_calls:
+                history.called(c.id)
         if m.role == "tool":
             if not m.tool_call_id:
                 raise RequestError(f"{field}[{i}]: a tool message needs tool_call_id", f"{field}[{i}].tool_call_id")
-            if m.tool_call_id not in called:
-                raise RequestError(f"{field}[{i}].tool_call_id {m.tool_call_id!r} names no earlier assistant tool call",
-                                   f"{field}[{i}].tool_call_id")
+            history.check_result(m.tool_call_id, f"{field}[{i}].tool_call_id", "assistant tool call")
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
@@ -100,15 +102,15 @@ class ChatCompletions(oc.Choices, Endpoint):
     path = "/v1/chat/completions"
     body_type = ChatRequest
     id_prefix = "chatcmpl-"
-    errors = oc.OPENAI_ERRORS
+    errors = OPENAI_ERRORS
 
-    def prepare(self, body: ChatRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: ChatRequest, ctx: ServeContext) -> EngineRequest:
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
         tools = ot.chat_tools(body.tools)
         choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
-        constraint, parser, listed = tool_use(ctx, tools, choice, ot.response_format(body.response_format),
-                                              "response_format")
+        constraint, parser, listed = tool_use(ctx.tool_parser, tools, choice,
+                                              ot.response_format(body.response_format), "response_format")
         ids = ctx.encode_chat(template_messages(body.messages), listed)
         max_tokens = body.max_completion_tokens or body.max_tokens or ctx.default_max_tokens(len(ids))
         params = make_sampling_params(
@@ -118,33 +120,33 @@ class ChatCompletions(oc.Choices, Endpoint):
             constraint=constraint,
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n)
 
-    def _logprobs(self, call: Call, tokens) -> dict[str, Any] | None:
-        return {"content": oc.chat_logprobs(call, tokens)} if call.body.logprobs else None
+    def _logprobs(self, exchange: Exchange, tokens) -> dict[str, Any] | None:
+        return {"content": oc.chat_logprobs(exchange, tokens)} if exchange.body.logprobs else None
 
-    def _chunk(self, call: Call, delta: dict[str, Any], finish_reason: str | None,
+    def _chunk(self, exchange: Exchange, delta: dict[str, Any], finish_reason: str | None,
                logprobs: Any = None) -> dict[str, Any]:
         chunk = {
-            "id": call.id,
+            "id": exchange.id,
             "object": "chat.completion.chunk",
-            "created": call.created,
-            "model": call.model,
-            "choices": [{"index": call.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "created": exchange.created,
+            "model": exchange.model,
+            "choices": [{"index": exchange.index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
         }
-        if call.body.include_usage:
+        if exchange.body.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def _message(self, call: Call, text: str) -> tuple[dict[str, Any], bool]:
+    def _message(self, exchange: Exchange, text: str) -> tuple[dict[str, Any], bool]:
         """The assistant message for the answer's text, and whether it holds tool calls."""
-        parser = call.generation.tool_parser
+        parser = exchange.request.tool_parser
         if parser is None:
             return {"role": "assistant", "content": text, "refusal": None}, False
         parsed = parser.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None, "refusal": None}
         if parsed.calls:
-            message["tool_calls"] = [{"id": ot.call_id(call, i), "type": "function",
+            message["tool_calls"] = [{"id": exchange.state.id(ToolDeltas.call_id_prefix, i), "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}}
                                      for i, c in enumerate(parsed.calls)]
         elif message["content"] is None:
@@ -155,58 +157,45 @@ class ChatCompletions(oc.Choices, Endpoint):
         text_reason = oc.finish_reason(reason)
         return "tool_calls" if called and text_reason == "stop" else text_reason
 
-    def _delta(self, call: Call, event: ToolEvent) -> dict[str, Any] | None:
-        """A stream delta for one parser event: content, a call's first delta (id, name), an arguments fragment."""
-        if isinstance(event, TextDelta):
-            return {"content": event.text}
-        if isinstance(event, CallStarted):
-            return {"tool_calls": [{"index": event.index, "id": ot.call_id(call, event.index), "type": "function",
-                                    "function": {"name": event.name, "arguments": ""}}]}
-        if isinstance(event, ArgumentsDelta):
-            return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-        return None
-
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        message, called = self._message(call, completion.text)
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        message, called = self._message(exchange, answer.text)
         return {
-            "id": call.id,
+            "id": exchange.id,
             "object": "chat.completion",
-            "created": call.created,
-            "model": call.model,
+            "created": exchange.created,
+            "model": exchange.model,
             "choices": [{
-                "index": call.index,
+                "index": exchange.index,
                 "message": message,
-                "finish_reason": self._finish_reason(completion.finish_reason, called),
-                "logprobs": self._logprobs(call, completion.logprobs),
+                "finish_reason": self._finish_reason(answer.finish_reason, called),
+                "logprobs": self._logprobs(exchange, answer.logprobs),
             }],
-            "usage": oc.usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
+            "usage": oc.usage(answer.num_prompt_tokens, answer.num_output_tokens, answer.num_cached_tokens),
         }
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        yield Event(self._chunk(call, {"role": "assistant", "content": ""}, None))
-        parser = call.generation.tool_parser
-        reader = parser.stream() if parser is not None else None
+    async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
+        yield Event(self._chunk(exchange, {"role": "assistant", "content": ""}, None))
+        tools = ToolDeltas(exchange) if exchange.request.tool_parser is not None else None
         last = None
-        async for out in outputs:
+        async for out in deltas:
             last = out
-            if reader is None:
+            if tools is None:
                 if out.new_text or out.logprobs:
-                    yield Event(self._chunk(call, {"content": out.new_text}, None, self._logprobs(call, out.logprobs)))
+                    yield Event(self._chunk(exchange, {"content": out.new_text}, None,
+                                            self._logprobs(exchange, out.logprobs)))
                 continue
-            logprobs = self._logprobs(call, out.logprobs) if out.logprobs else None
-            for event in reader.feed(out.new_text) + (reader.finish() if out.finished else []):
-                delta = self._delta(call, event)
-                if delta is not None:
-                    yield Event(self._chunk(call, delta, None, logprobs))
-                    logprobs = None  # a token's logprobs ride on the first delta it makes
+            logprobs = self._logprobs(exchange, out.logprobs) if out.logprobs else None
+            for delta in tools.delta(out):
+                yield Event(self._chunk(exchange, delta, None, logprobs))
+                logprobs = None  # a token's logprobs ride on the first delta it makes
             if logprobs is not None:
-                yield Event(self._chunk(call, {"content": ""}, None, logprobs))
+                yield Event(self._chunk(exchange, {"content": ""}, None, logprobs))
         if last is None:
             return
-        called = reader is not None and reader.num_calls > 0
-        yield Event(self._chunk(call, {}, self._finish_reason(last.finish_reason, called)))
-        if call.body.include_usage:
-            yield Event(oc.usage_chunk(self._chunk(call, {}, None), last))
+        called = tools is not None and tools.num_calls > 0
+        yield Event(self._chunk(exchange, {}, self._finish_reason(last.finish_reason, called)))
+        if exchange.body.include_usage:
+            yield Event(oc.usage_chunk(self._chunk(exchange, {}, None), last))
         yield Event("[DONE]")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
@@ -219,6 +208,21 @@ class ChatCompletions(oc.Choices, Endpoint):
         return ChatAnswer()
 
 
+class ToolDeltas(ToolRenderer[dict[str, Any]]):
+    """A chat stream's deltas for an answer read for tool calls: content, a call's first delta (its id and name),
+    its arguments' fragments."""
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        return [{"content": text}]
+
+    def call_started(self, index: int, name: str) -> list[dict[str, Any]]:
+        return [{"tool_calls": [{"index": index, "id": self.call_id(index), "type": "function",
+                                 "function": {"name": name, "arguments": ""}}]}]
+
+    def arguments(self, index: int, text: str) -> list[dict[str, Any]]:
+        return [{"tool_calls": [{"index": index, "function": {"arguments": text}}]}]
+
+
 class ChatAnswer(oc.ChoicesAnswer):
     """A client's view of a chat completion: the message's content, or each chunk's delta."""
 
@@ -229,3 +233,9 @@ class ChatAnswer(oc.ChoicesAnswer):
 @hookimpl
 def pagoda_register_protocols(register):
     register(ChatCompletions())
+
+
+@hookimpl
+def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's fields of the model card (client.models.list and retrieve read them)."""
+    return oc.model_card(model)

@@ -1,5 +1,7 @@
-"""What the three OpenAI endpoints share: sampling fields, roles, errors, usage, logprobs, finish reasons, model cards,
-and the client half's common parts (the request fields, reading `choices`)."""
+"""What the three OpenAI endpoints share: sampling fields, roles, usage, logprobs, finish reasons, model card fields,
+and the client half's common parts (the request fields, reading `choices`). A library of theirs, not a plugin: each
+endpoint module registers itself (and the card fields), so any one of them can be left out alone. Their error
+shape is the interface's (pagoda.plugins.error_shapes)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,12 @@ from typing import Annotated, Any
 
 import msgspec
 
+from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason
-from pagoda.core.outputs import SampledToken
-from pagoda.core.sampling_params import SamplingParams
-from pagoda.plugins.hookspecs import hookimpl
-from pagoda.core.outputs import RequestOutput
+from pagoda.plugins.choices import choice_exchange, merge
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
-from pagoda.plugins.choices import choice_call, merge
-from pagoda.plugins.protocol import ApiError, CacheSalt, Call, Completion, ErrorShape, Event, RequestError
+from pagoda.plugins.protocol import Answer, CacheSalt, Event, Exchange
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import ServedModel
 
 # Value ranges are declared on the fields, so a bad value is refused while decoding, naming the field.
@@ -48,7 +48,7 @@ class Sampling(msgspec.Struct, kw_only=True):
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
-    cache_salt: CacheSalt | None = None  # not sampling: the prefix cache's key (Generation.cache_salt)
+    cache_salt: CacheSalt | None = None  # not sampling: the prefix cache's key (EngineRequest.cache_salt)
 
     def sampling_fields(self) -> dict[str, Any]:
         """These fields as SamplingParams keywords (a None takes SamplingParams' default)."""
@@ -120,90 +120,64 @@ def summed_usage(usages: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
 class Choices:
     """Completions' and chat's several choices: each rendered as alone (with its `index`), then merged."""
 
-    def render_choices(self, call: Call, completions: list[Completion]) -> dict[str, Any]:
-        bodies = [self.render(choice_call(call, k), c) for k, c in enumerate(completions)]
+    def render_choices(self, exchange: Exchange, answers: list[Answer]) -> dict[str, Any]:
+        bodies = [self.render(choice_exchange(exchange, k), c) for k, c in enumerate(answers)]
         return {**bodies[0], "choices": [b["choices"][0] for b in bodies],
-                "usage": summed_usage([b["usage"] for b in bodies], call.body.n)}
+                "usage": summed_usage([b["usage"] for b in bodies], exchange.body.n)}
 
-    async def render_stream_choices(self, call: Call,
-                                    outputs: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[Event]:
+    async def render_stream_choices(self, exchange: Exchange,
+                                    outputs: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[Event]:
         if len(outputs) == 1:
-            async for event in self.render_stream(call, outputs[0]):
+            async for event in self.render_stream(exchange, outputs[0]):
                 yield event
             return
-        lasts: dict[int, RequestOutput] = {}
-        streams = [self.render_stream(choice_call(call, k), _noting(out, lasts, k)) for k, out in enumerate(outputs)]
+        lasts: dict[int, AnswerDelta] = {}
+        streams = [self.render_stream(choice_exchange(exchange, k), _noting(out, lasts, k)) for k, out in enumerate(outputs)]
         # Each choice's stream ends with its own usage chunk and [DONE]: the request's come once, at the end.
         chunk: dict[str, Any] = {}  # the last choice chunk: the usage chunk shares its id, object, created, model
         async for event in merge(streams):
             if event.data != "[DONE]" and not (isinstance(event.data, dict) and event.data.get("choices") == []):
                 chunk = event.data
                 yield event
-        if call.body.include_usage and len(lasts) == len(outputs):
+        if exchange.body.include_usage and len(lasts) == len(outputs):
             usages = [usage(o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens)
                       for _, o in sorted(lasts.items())]
-            yield Event({**chunk, "choices": [], "usage": summed_usage(usages, call.body.n)})
+            yield Event({**chunk, "choices": [], "usage": summed_usage(usages, exchange.body.n)})
         yield Event("[DONE]")
 
 
-async def _noting(outputs: AsyncIterator[RequestOutput], lasts: dict[int, RequestOutput],
-                  k: int) -> AsyncIterator[RequestOutput]:
+async def _noting(outputs: AsyncIterator[AnswerDelta], lasts: dict[int, AnswerDelta],
+                  k: int) -> AsyncIterator[AnswerDelta]:
     """`outputs` passed through, the last one noted as choice k's (its usage)."""
     async for out in outputs:
         lasts[k] = out
         yield out
 
 
-def usage_chunk(chunk: dict[str, Any], last: RequestOutput) -> dict[str, Any]:
+def usage_chunk(chunk: dict[str, Any], last: AnswerDelta) -> dict[str, Any]:
     """The stream's last chunk under include_usage: no choices, the request's usage."""
     return {**chunk, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens,
                                                     last.num_cached_tokens)}
 
 
-class OpenAIErrors(ErrorShape):
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; a stream error is a data event."""
-
-    # HTTP status -> (type, code); any other 4xx is an invalid request, any other 5xx a server error.
-    TYPES = {400: ("invalid_request_error", None), 401: ("invalid_request_error", "invalid_api_key"),
-             403: ("permission_error", None), 404: ("invalid_request_error", "not_found"),
-             413: ("invalid_request_error", "request_too_large"), 415: ("invalid_request_error", None),
-             422: ("invalid_request_error", None), 429: ("rate_limit_error", "rate_limit_exceeded"),
-             431: ("invalid_request_error", None)}
-
-    def render_error(self, error: ApiError) -> dict[str, Any]:
-        default = ("server_error", None) if error.status >= 500 else ("invalid_request_error", None)
-        kind, code = self.TYPES.get(error.status, default)
-        return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code or code}}
-
-    def render_stream_error(self, error: ApiError) -> list[Event]:
-        return [Event(self.render_error(error))]  # a data: object with "error" makes the SDK raise
-
-    def read_error(self, status: int, body: Any) -> ApiError:
-        error = body["error"]
-        return ApiError(status, error["message"], error.get("param"), error.get("code"))
-
-
-OPENAI_ERRORS = OpenAIErrors()
-
-
-def token_logprob(call: Call, token_id: int, logprob: float) -> dict[str, Any]:
-    text = call.token_text(token_id)
+def token_logprob(exchange: Exchange, token_id: int, logprob: float) -> dict[str, Any]:
+    text = exchange.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(call: Call, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
+def chat_logprobs(exchange: Exchange, tokens: Sequence[SampledToken]) -> list[dict[str, Any]]:
     """Chat/responses shape: one entry per token, each with its top alternatives."""
     entries = []
     for t in tokens:
-        entry = token_logprob(call, t.token_id, _finite(t.logprob))
-        entry["top_logprobs"] = [token_logprob(call, i, _finite(lp)) for i, lp in (t.top_logprobs or ())]
+        entry = token_logprob(exchange, t.token_id, _finite(t.logprob))
+        entry["top_logprobs"] = [token_logprob(exchange, i, _finite(lp)) for i, lp in (t.top_logprobs or ())]
         entries.append(entry)
     return entries
 
 
-def completion_logprobs(call: Call, tokens: Sequence[SampledToken], text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(exchange: Exchange, tokens: Sequence[SampledToken], text_offset: int = 0) -> dict[str, Any]:
     """Legacy completions shape: parallel lists of tokens, logprobs, top alternatives and offsets."""
-    texts = [call.token_text(t.token_id) for t in tokens]
+    texts = [exchange.token_text(t.token_id) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(text_offset)
@@ -211,7 +185,7 @@ def completion_logprobs(call: Call, tokens: Sequence[SampledToken], text_offset:
     return {
         "tokens": texts,
         "token_logprobs": [_finite(t.logprob) for t in tokens],
-        "top_logprobs": [{call.token_text(i): _finite(lp) for i, lp in (t.top_logprobs or ())} for t in tokens],
+        "top_logprobs": [{exchange.token_text(i): _finite(lp) for i, lp in (t.top_logprobs or ())} for t in tokens],
         "text_offset": offsets,
     }
 
@@ -261,7 +235,6 @@ def _finite(value: float | None) -> float:
     return max(value, -9999.0)
 
 
-@hookimpl
-def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
-    """OpenAI's fields of the model card (client.models.list and retrieve read them)."""
+def model_card(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's fields of the model card (client.models.list and retrieve read them); each OpenAI endpoint adds them."""
     return {"id": model.name, "object": "model", "created": model.created, "owned_by": "pagoda"}

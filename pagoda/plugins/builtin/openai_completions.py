@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.builtin import openai_tools as ot
 from pagoda.plugins.client import ClientRequest
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import Call, Completion, Endpoint, Event
-from pagoda.plugins.protocol import Generation, RequestError, ServeContext, make_sampling_params
+from pagoda.plugins.protocol import Answer, Endpoint, EngineRequest, Event, Exchange, ServeContext
+from pagoda.plugins.request_fields import RequestError, make_sampling_params
+from pagoda.plugins.route import ServedModel
 
 
 class CompletionRequest(oc.SamplingFields, kw_only=True):
@@ -52,9 +54,9 @@ class Completions(oc.Choices, Endpoint):
     path = "/v1/completions"
     body_type = CompletionRequest
     id_prefix = "cmpl-"
-    errors = oc.OPENAI_ERRORS
+    errors = OPENAI_ERRORS
 
-    def prepare(self, body: CompletionRequest, ctx: ServeContext) -> list[Generation]:
+    def prepare(self, body: CompletionRequest, ctx: ServeContext) -> list[EngineRequest]:
         if body.best_of not in (None, 1):
             raise RequestError("best_of must be 1", "best_of")
         if body.suffix:
@@ -62,7 +64,7 @@ class Completions(oc.Choices, Endpoint):
         if body.echo and body.logprobs is not None:
             raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         constraint = ot.guided(body)
-        generations = []
+        requests = []
         for ids in prompt_ids(body.prompt, ctx):  # one engine request per prompt (and per choice: choices.fan_out)
             params = make_sampling_params(
                 limits=ctx.limits,
@@ -71,54 +73,54 @@ class Completions(oc.Choices, Endpoint):
                 constraint=constraint,
                 **body.sampling_fields(),
             )
-            generations.append(Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n))
-        return generations
+            requests.append(EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n))
+        return requests
 
-    def _echo(self, call: Call) -> str:
-        if not call.body.echo:
+    def _echo(self, exchange: Exchange) -> str:
+        if not exchange.body.echo:
             return ""
-        prompt = call.body.prompt
+        prompt = exchange.body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[call.index // call.body.n]  # this choice's prompt (index = prompt_i * n + j)
-        return prompt if isinstance(prompt, str) else call.tokenizer.decode(call.generation.prompt_token_ids)
+            prompt = prompt[exchange.index // exchange.body.n]  # this choice's prompt (index = prompt_i * n + j)
+        return prompt if isinstance(prompt, str) else exchange.tokenizer.decode(exchange.request.prompt_token_ids)
 
-    def _logprobs(self, call: Call, tokens, offset: int) -> dict[str, Any] | None:
-        if call.body.logprobs is None:
+    def _logprobs(self, exchange: Exchange, tokens, offset: int) -> dict[str, Any] | None:
+        if exchange.body.logprobs is None:
             return None
-        return oc.completion_logprobs(call, tokens, offset)
+        return oc.completion_logprobs(exchange, tokens, offset)
 
-    def _chunk(self, call: Call, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+    def _chunk(self, exchange: Exchange, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
         return {
-            "id": call.id,
+            "id": exchange.id,
             "object": "text_completion",
-            "created": call.created,
-            "model": call.model,
-            "choices": [{"index": call.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "created": exchange.created,
+            "model": exchange.model,
+            "choices": [{"index": exchange.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
         }
 
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        echo = self._echo(call)
-        body = self._chunk(call, echo + completion.text, oc.finish_reason(completion.finish_reason),
-                           self._logprobs(call, completion.logprobs, len(echo)))
-        body["usage"] = oc.usage(completion.num_prompt_tokens, completion.num_output_tokens,
-                                 completion.num_cached_tokens)
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        echo = self._echo(exchange)
+        body = self._chunk(exchange, echo + answer.text, oc.finish_reason(answer.finish_reason),
+                           self._logprobs(exchange, answer.logprobs, len(echo)))
+        body["usage"] = oc.usage(answer.num_prompt_tokens, answer.num_output_tokens,
+                                 answer.num_cached_tokens)
         return body
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+    async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
         offset = 0
-        echo = self._echo(call)
+        echo = self._echo(exchange)
         if echo:
-            yield Event(self._chunk(call, echo, None, None))
+            yield Event(self._chunk(exchange, echo, None, None))
             offset = len(echo)
         last = None
-        async for out in outputs:
+        async for out in deltas:
             last = out
             reason = oc.finish_reason(out.finish_reason) if out.finished else None
             if out.new_text or out.logprobs or reason:
-                yield Event(self._chunk(call, out.new_text, reason, self._logprobs(call, out.logprobs, offset)))
+                yield Event(self._chunk(exchange, out.new_text, reason, self._logprobs(exchange, out.logprobs, offset)))
                 offset += len(out.new_text)
-        if call.body.include_usage and last is not None:
-            yield Event(oc.usage_chunk(self._chunk(call, "", None, None), last))
+        if exchange.body.include_usage and last is not None:
+            yield Event(oc.usage_chunk(self._chunk(exchange, "", None, None), last))
         yield Event("[DONE]")
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
@@ -132,7 +134,7 @@ class Completions(oc.Choices, Endpoint):
 
 
 class CompletionAnswer(oc.ChoicesAnswer):
-    """A client's view of a completion: each choice's `text`."""
+    """A client's view of a answer: each choice's `text`."""
 
     def choice_text(self, choice: dict[str, Any], unary: bool) -> str:
         return choice.get("text") or ""
@@ -141,3 +143,9 @@ class CompletionAnswer(oc.ChoicesAnswer):
 @hookimpl
 def pagoda_register_protocols(register):
     register(Completions())
+
+
+@hookimpl
+def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's fields of the model card (client.models.list and retrieve read them)."""
+    return oc.model_card(model)

@@ -10,22 +10,23 @@ response has status "incomplete" (the helper needs that event to finish).
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from pagoda.core.outputs import RequestOutput
+from pagoda.core.outputs import AnswerDelta
 from pagoda.core.request import FinishReason
 from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.builtin import openai_tools as ot
-from pagoda.plugins.builtin.openai_responses_tools import OutputItems, input_message
+from pagoda.plugins.builtin.openai_responses_tools import TEXT_PART_TYPES, OutputItems, input_message
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import ApiError, Call, Completion, Endpoint, Event
-from pagoda.plugins.protocol import Generation, RequestError, ServeContext, join_text_parts, make_sampling_params
-from pagoda.plugins.tools import tool_use
+from pagoda.plugins.protocol import Answer, ApiError, Endpoint, EngineRequest, Event, Exchange, ServeContext
+from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.route import ServedModel
+from pagoda.plugins.tools import CallHistory, tool_use
 
 
 class InputContent(msgspec.Struct):
@@ -77,17 +78,17 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
         return messages + [{"role": "user", "content": body.input}]
     if not body.input:
         raise RequestError("input must hold at least one item", "input")
-    called: set[str] = set()
+    history = CallHistory()
     for i, item in enumerate(body.input):
         if item.type in ("function_call", "function_call_output"):
-            message = input_message(item, i, messages, called)
+            message = input_message(item, i, messages, history)
             if message is not None:
                 messages.append(message)
             continue
         if item.type != "message":
             raise RequestError(f"input[{i}]: only message items are supported, got type {item.type!r}",
                                f"input[{i}].type")
-        text = join_text_parts(item.content, f"input[{i}].content", ("input_text", "output_text", "text"))
+        text = join_text_parts(item.content, f"input[{i}].content", TEXT_PART_TYPES)
         messages.append(oc.template_message(item.role, text))
     return messages
 
@@ -98,12 +99,12 @@ class Responses(Endpoint):
     path = "/v1/responses"
     body_type = ResponsesRequest
     id_prefix = "resp_"
-    errors = oc.OPENAI_ERRORS
+    errors = OPENAI_ERRORS
 
-    def prepare(self, body: ResponsesRequest, ctx: ServeContext) -> Generation:
+    def prepare(self, body: ResponsesRequest, ctx: ServeContext) -> EngineRequest:
         tools = ot.responses_tools(body.tools)
         choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
-        constraint, parser, listed = tool_use(ctx, tools, choice, ot.text_format(body.text), "text.format")
+        constraint, parser, listed = tool_use(ctx.tool_parser, tools, choice, ot.text_format(body.text), "text.format")
         ids = ctx.encode_chat(conversation(body), listed)
         params = make_sampling_params(
             {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
@@ -113,31 +114,31 @@ class Responses(Endpoint):
             constraint=constraint,
             **body.sampling_fields(),
         )
-        return Generation(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
 
     # -- shapes ----------------------------------------------------------
-    def _message_id(self, call: Call) -> str:
-        return call.state.setdefault("message_id", f"msg_{secrets.token_hex(12)}")
+    def _message_id(self, exchange: Exchange) -> str:
+        return exchange.state.id("msg_", 0)  # the first message item's (OutputItems names the later ones alike)
 
-    def _logprobs(self, call: Call, tokens) -> list[dict[str, Any]]:
-        return oc.chat_logprobs(call, tokens) if call.body.top_logprobs is not None else []
+    def _logprobs(self, exchange: Exchange, tokens) -> list[dict[str, Any]]:
+        return oc.chat_logprobs(exchange, tokens) if exchange.body.top_logprobs is not None else []
 
     def _part(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
-    def _message(self, call: Call, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"type": "message", "id": self._message_id(call), "role": "assistant", "status": status,
+    def _message(self, exchange: Exchange, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "message", "id": self._message_id(exchange), "role": "assistant", "status": status,
                 "content": content}
 
-    def _response(self, call: Call, status: str, output: list[dict[str, Any]],
-                  completion: Completion | None = None) -> dict[str, Any]:
-        body: ResponsesRequest = call.body
-        cut_off = completion is not None and completion.finish_reason is FinishReason.LENGTH
+    def _response(self, exchange: Exchange, status: str, output: list[dict[str, Any]],
+                  answer: Answer | None = None) -> dict[str, Any]:
+        body: ResponsesRequest = exchange.body
+        cut_off = answer is not None and answer.finish_reason is FinishReason.LENGTH
         return {
-            "id": call.id,
+            "id": exchange.id,
             "object": "response",
-            "created_at": call.created,
-            "model": call.model,
+            "created_at": exchange.created,
+            "model": exchange.model,
             "status": status,
             "output": output,
             "instructions": body.instructions,
@@ -152,85 +153,81 @@ class Responses(Endpoint):
                      else {"type": "text"}},
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if cut_off else None,
-            "usage": None if completion is None else _usage(completion.num_prompt_tokens, completion.num_output_tokens,
-                                                            completion.num_cached_tokens),
+            "usage": None if answer is None else _usage(answer.num_prompt_tokens, answer.num_output_tokens,
+                                                            answer.num_cached_tokens),
         }
 
-    def _final(self, call: Call, completion: Completion) -> dict[str, Any]:
-        status = "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
-        parser = call.generation.tool_parser
-        if parser is not None:  # the same items the stream builds, from the whole text at once
-            items = self._items(call, stream=False)
-            reader = parser.stream()
-            items.apply(reader.feed(completion.text) + reader.finish())
+    def _final(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        status = "incomplete" if answer.finish_reason is FinishReason.LENGTH else "completed"
+        if exchange.request.tool_parser is not None:  # the same items the stream builds, from the whole text at once
+            items = self._items(exchange, stream=False)
+            items.whole(answer.text)
             items.close(status)
-            return self._response(call, status, items.items, completion)
-        part = self._part(completion.text, self._logprobs(call, completion.logprobs))
-        return self._response(call, status, [self._message(call, status, [part])], completion)
+            return self._response(exchange, status, items.items, answer)
+        part = self._part(answer.text, self._logprobs(exchange, answer.logprobs))
+        return self._response(exchange, status, [self._message(exchange, status, [part])], answer)
 
-    def render(self, call: Call, completion: Completion) -> dict[str, Any]:
-        return self._final(call, completion)
+    def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
+        return self._final(exchange, answer)
 
     # -- stream ----------------------------------------------------------
-    def _event(self, call: Call, kind: str, **fields: Any) -> Event:
-        seq = call.state.get("sequence_number", 0)
-        call.state["sequence_number"] = seq + 1
-        return Event({"type": kind, "sequence_number": seq, **fields}, name=kind)
+    def _event(self, exchange: Exchange, kind: str, **fields: Any) -> Event:
+        return Event({"type": kind, "sequence_number": exchange.state.next_event_number(), **fields}, name=kind)
 
-    def _items(self, call: Call, stream: bool = True) -> OutputItems:
+    def _items(self, exchange: Exchange, stream: bool = True) -> OutputItems:
         """The output items' builder; a unary body's makes no events (nor uses up sequence numbers)."""
-        emit = (lambda kind, **fields: self._event(call, kind, **fields)) if stream else (lambda kind, **_: Event(kind))
-        return OutputItems(call, emit, self._message_id(call))
+        emit = (lambda kind, **fields: self._event(exchange, kind, **fields)) if stream else (lambda kind, **_: Event(kind))
+        return OutputItems(exchange, emit)
 
-    async def _tool_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
+    async def _tool_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
         """The stream of an answer read for tool calls: each output item opens when it begins."""
-        yield self._event(call, "response.created", response=self._response(call, "in_progress", []))
-        yield self._event(call, "response.in_progress", response=self._response(call, "in_progress", []))
-        items, reader = self._items(call), call.generation.tool_parser.stream()
-        seen: list[RequestOutput] = []
-        async for out in outputs:
+        yield self._event(exchange, "response.created", response=self._response(exchange, "in_progress", []))
+        yield self._event(exchange, "response.in_progress", response=self._response(exchange, "in_progress", []))
+        items = self._items(exchange)
+        seen: list[AnswerDelta] = []
+        async for out in deltas:
             seen.append(out)
-            for event in items.apply(reader.feed(out.new_text) + (reader.finish() if out.finished else [])):
+            for event in items.delta(out):
                 yield event
         if not seen:
             return
-        completion = Completion.from_outputs(seen)
-        status = "incomplete" if completion.finish_reason is FinishReason.LENGTH else "completed"
+        answer = Answer.from_deltas(seen)
+        status = "incomplete" if answer.finish_reason is FinishReason.LENGTH else "completed"
         for event in items.close(status):
             yield event
-        yield self._event(call, "response.completed", response=self._response(call, status, items.items, completion))
+        yield self._event(exchange, "response.completed", response=self._response(exchange, status, items.items, answer))
 
-    async def render_stream(self, call: Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[Event]:
-        if call.generation.tool_parser is not None:
-            async for event in self._tool_stream(call, outputs):
+    async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
+        if exchange.request.tool_parser is not None:
+            async for event in self._tool_stream(exchange, deltas):
                 yield event
             return
-        at = {"item_id": self._message_id(call), "output_index": 0, "content_index": 0}
-        yield self._event(call, "response.created", response=self._response(call, "in_progress", []))
-        yield self._event(call, "response.in_progress", response=self._response(call, "in_progress", []))
-        yield self._event(call, "response.output_item.added", output_index=0,
-                          item=self._message(call, "in_progress", []))
-        yield self._event(call, "response.content_part.added", **at, part=self._part("", []))
-        seen: list[RequestOutput] = []
-        async for out in outputs:
+        at = {"item_id": self._message_id(exchange), "output_index": 0, "content_index": 0}
+        yield self._event(exchange, "response.created", response=self._response(exchange, "in_progress", []))
+        yield self._event(exchange, "response.in_progress", response=self._response(exchange, "in_progress", []))
+        yield self._event(exchange, "response.output_item.added", output_index=0,
+                          item=self._message(exchange, "in_progress", []))
+        yield self._event(exchange, "response.content_part.added", **at, part=self._part("", []))
+        seen: list[AnswerDelta] = []
+        async for out in deltas:
             seen.append(out)
             if out.new_text or out.logprobs:
-                yield self._event(call, "response.output_text.delta", **at, delta=out.new_text,
-                                  logprobs=self._logprobs(call, out.logprobs))
+                yield self._event(exchange, "response.output_text.delta", **at, delta=out.new_text,
+                                  logprobs=self._logprobs(exchange, out.logprobs))
         if not seen:
             return
-        final = self._final(call, Completion.from_outputs(seen))
+        final = self._final(exchange, Answer.from_deltas(seen))
         message = final["output"][0]
         part = message["content"][0]
-        yield self._event(call, "response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
-        yield self._event(call, "response.content_part.done", **at, part=part)
-        yield self._event(call, "response.output_item.done", output_index=0, item=message)
-        yield self._event(call, "response.completed", response=final)
+        yield self._event(exchange, "response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
+        yield self._event(exchange, "response.content_part.done", **at, part=part)
+        yield self._event(exchange, "response.output_item.done", output_index=0, item=message)
+        yield self._event(exchange, "response.completed", response=final)
 
-    def render_stream_error(self, call: Call, error: ApiError) -> list[Event]:
+    def render_stream_error(self, exchange: Exchange, error: ApiError) -> list[Event]:
         # A top-level "error" object makes the SDK raise mid-stream.
         body = self.errors.render_error(error)["error"]
-        return [self._event(call, "error", code=body["code"], message=body["message"], param=body["param"], error=body)]
+        return [self._event(exchange, "error", code=body["code"], message=body["message"], param=body["param"], error=body)]
 
     def client_request(self, ask: ClientRequest) -> dict[str, Any]:
         # a conversation's earlier turns go as input items, each turn's answer as an assistant message
@@ -282,3 +279,9 @@ def _usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: in
 @hookimpl
 def pagoda_register_protocols(register):
     register(Responses())
+
+
+@hookimpl
+def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
+    """OpenAI's fields of the model card (client.models.list and retrieve read them)."""
+    return oc.model_card(model)

@@ -15,74 +15,67 @@ and the unary body is built by the same `OutputItems`, so both hold the same ite
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from pagoda.plugins.builtin import openai_tools as ot
-from pagoda.plugins.protocol import Call, Event, RequestError, join_text_parts
-from pagoda.plugins.tools import ArgumentsDelta, CallEnded, CallStarted, TextDelta, ToolEvent, parse_arguments
+from pagoda.plugins.protocol import Event, Exchange
+from pagoda.plugins.request_fields import RequestError, join_text_parts
+from pagoda.plugins.tool_render import ToolRenderer
+from pagoda.plugins.tools import CallHistory, parse_arguments
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
-def input_message(item: Any, i: int, messages: list[dict[str, Any]], called: set[str]) -> dict[str, Any] | None:
+def input_message(item: Any, i: int, messages: list[dict[str, Any]], history: CallHistory) -> dict[str, Any] | None:
     """A function_call or function_call_output item as a chat-template message (a call joins the assistant
     message before it); None when it joined one. A result must name an earlier call."""
     if item.type == "function_call":
         if not item.call_id or not item.name:
             raise RequestError(f"input[{i}]: a function_call item needs call_id and name", f"input[{i}].call_id")
-        called.add(item.call_id)
+        history.called(item.call_id)
         entry = {"id": item.call_id, "type": "function", "function": {
             "name": item.name, "arguments": parse_arguments(item.arguments or "", f"input[{i}].arguments")}}
         if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
             messages[-1]["tool_calls"].append(entry)
             return None
         return {"role": "assistant", "content": "", "tool_calls": [entry]}
-    if item.call_id not in called:
-        raise RequestError(f"input[{i}].call_id {item.call_id!r} names no earlier function_call item",
-                           f"input[{i}].call_id")
+    history.check_result(item.call_id, f"input[{i}].call_id", "function_call item")
     output = item.output if isinstance(item.output, str) else join_text_parts(item.output, f"input[{i}].output",
                                                                              TEXT_PART_TYPES)
     return {"role": "tool", "tool_call_id": item.call_id, "content": output}
 
 
-class OutputItems:
+class OutputItems(ToolRenderer[Event]):
     """The output items of one answer, built from the parser's events; `emit` makes each step's stream events."""
 
-    def __init__(self, call: Call, emit: Callable[..., Event], first_message_id: str) -> None:
-        self.call, self.emit = call, emit
+    def __init__(self, exchange: Exchange, emit: Callable[..., Event]) -> None:
+        super().__init__(exchange)
+        self.emit = emit
         self.items: list[dict[str, Any]] = []
         self.text_item: dict[str, Any] | None = None  # the message being written
         self.call_items: dict[int, dict[str, Any]] = {}  # the parser's call index -> its item
-        self.message_ids = [first_message_id]
 
-    def apply(self, events: Sequence[ToolEvent]) -> list[Event]:
-        """The stream events for these parser events (the items updated)."""
-        out: list[Event] = []
-        for e in events:
-            if isinstance(e, TextDelta):
-                if self.text_item is None:
-                    out += self._open_message()
-                self.text_item["content"][0]["text"] += e.text
-                out.append(self.emit("response.output_text.delta", **self._at(self.text_item), delta=e.text,
-                                     logprobs=[]))
-            elif isinstance(e, CallStarted):
-                out += self._close_message("completed")
-                item = {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}",
-                        "call_id": ot.call_id(self.call, e.index), "name": e.name, "arguments": "",
-                        "status": "in_progress"}
-                self.call_items[e.index] = item
-                self.items.append(item)
-                out.append(self.emit("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
-            elif isinstance(e, ArgumentsDelta):
-                item = self.call_items[e.index]
-                item["arguments"] += e.text
-                out.append(self.emit("response.function_call_arguments.delta", item_id=item["id"],
-                                     output_index=self.items.index(item), delta=e.text))
-            elif isinstance(e, CallEnded):
-                out += self._close_call(self.call_items[e.index], "completed")
-        return out
+    def text(self, text: str) -> list[Event]:
+        out = self._open_message() if self.text_item is None else []
+        self.text_item["content"][0]["text"] += text
+        return out + [self.emit("response.output_text.delta", **self._at(self.text_item), delta=text, logprobs=[])]
+
+    def call_started(self, index: int, name: str) -> list[Event]:
+        out = self._close_message("completed")
+        item = {"type": "function_call", "id": self.exchange.state.id("fc_", index), "call_id": self.call_id(index),
+                "name": name, "arguments": "", "status": "in_progress"}
+        self.call_items[index] = item
+        self.items.append(item)
+        return out + [self.emit("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
+
+    def arguments(self, index: int, text: str) -> list[Event]:
+        item = self.call_items[index]
+        item["arguments"] += text
+        return [self.emit("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=self.items.index(item), delta=text)]
+
+    def call_ended(self, index: int) -> list[Event]:
+        return self._close_call(self.call_items[index], "completed")
 
     def close(self, status: str) -> list[Event]:
         """The answer ended: what is still open is closed with `status`."""
@@ -92,20 +85,14 @@ class OutputItems:
                 out += self._close_call(item, status)
         return out
 
-    @property
-    def num_calls(self) -> int:
-        return len(self.call_items)
-
     def _at(self, item: dict[str, Any]) -> dict[str, Any]:
         return {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
 
     def _open_message(self) -> list[Event]:
         n = sum(item["type"] == "message" for item in self.items)
-        while len(self.message_ids) <= n:
-            self.message_ids.append(f"msg_{secrets.token_hex(12)}")
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self.text_item = {"type": "message", "id": self.message_ids[n], "role": "assistant", "status": "in_progress",
-                          "content": [part]}
+        self.text_item = {"type": "message", "id": self.exchange.state.id("msg_", n), "role": "assistant",
+                          "status": "in_progress", "content": [part]}
         self.items.append(self.text_item)
         added = {**self.text_item, "content": []}
         return [self.emit("response.output_item.added", output_index=len(self.items) - 1, item=added),

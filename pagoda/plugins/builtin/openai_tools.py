@@ -15,13 +15,12 @@ a RequestError naming it.
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any, Literal
 
 import msgspec
 
 from pagoda.core.constraint import Constraint
-from pagoda.plugins.protocol import Call, RequestError
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.tools import Tool, ToolChoice, check_schema, check_tools
 
 
@@ -174,11 +173,3 @@ def tool_choice(raw: ChoiceMode | ChatNamedChoice | ResponsesNamedChoice | None,
         choice = ToolChoice(raw or ("auto" if tools else "none"), None, parallel is not False)
     check_tools(tools, choice, "tools", choice_field)
     return choice
-
-
-def call_id(call: Call, index: int, prefix: str = "call_") -> str:
-    """The id of the answer's call number `index`: the same in the stream and in the final body."""
-    ids = call.state.setdefault("tool_call_ids", [])
-    while len(ids) <= index:
-        ids.append(f"{prefix}{secrets.token_hex(12)}")
-    return ids[index]

@@ -1,14 +1,11 @@
-"""Token counting routes: POST /tokenize and POST /detokenize (vLLM's shapes), POST /v1/messages/count_tokens.
+"""Token routes: POST /tokenize and POST /detokenize (vLLM's shapes), in OpenAI's error shape.
 
     /tokenize      {"model"?, "prompt", "add_special_tokens"?: true}
                    or {"model"?, "messages", "add_generation_prompt"?: true}
                    -> {"tokens": [...], "count", "max_model_len"}
     /detokenize    {"model"?, "tokens": [...]} -> {"prompt"}
-    /v1/messages/count_tokens   an Anthropic messages body without max_tokens -> {"input_tokens"}
 
-count_tokens runs the messages endpoint's own `prepare`, so the count is the
-prompt a message would be generated from (system, template and all). The
-OpenAI-style routes answer in OpenAI's error shape, count_tokens in Anthropic's.
+(Anthropic's POST /v1/messages/count_tokens belongs to its messages endpoint: anthropic_messages.)
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from typing import Any
 import msgspec
 from litestar.params import JSONBody
 
-from pagoda.plugins.builtin.anthropic_messages import ANTHROPIC_ERRORS, Messages, MessagesRequest
-from pagoda.plugins.builtin.openai_common import OPENAI_ERRORS
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.plugins.protocol import RequestError, ServeContext
+from pagoda.plugins.protocol import ServeContext
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import Route, RouteContext
 
 
@@ -68,7 +65,7 @@ def make_tokenize(ctx: RouteContext) -> Callable[..., Any]:
         if data.prompt is not None:
             tokens = serving.tokenizer.encode(data.prompt, add_special_tokens=data.add_special_tokens is not False)
         else:
-            if not getattr(serving.tokenizer, "has_chat_template", True):
+            if not serving.tokenizer.has_chat_template:
                 raise RequestError("this model has no chat template", "messages")
             text = serving.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in data.messages],
                                                          add_generation_prompt=data.add_generation_prompt)
@@ -95,26 +92,7 @@ def make_detokenize(ctx: RouteContext) -> Callable[..., Any]:
     return detokenize
 
 
-def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
-    """The handler of POST /v1/messages/count_tokens."""
-    serving = _serving(ctx)
-    endpoint = Messages()
-
-    async def count_tokens(data: JSONBody[dict[str, Any]]) -> dict[str, int]:
-        """Anthropic's token count of a messages request: {"input_tokens": N}."""
-        try:  # the messages body, less max_tokens (and stream), which a count does not need
-            body = msgspec.convert({**data, "max_tokens": 1, "stream": False}, MessagesRequest)
-        except msgspec.ValidationError as exc:
-            where = str(exc).rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in str(exc) else None
-            raise RequestError(f"{where + ': ' if where else ''}{str(exc).partition(' - at ')[0]}", where) from None
-        _check_model(body.model, ctx)
-        return {"input_tokens": len(endpoint.prepare(body, serving).prompt_token_ids)}
-
-    return count_tokens
-
-
 @hookimpl
 def pagoda_register_routes(register):
     register(Route("POST", "/tokenize", make_tokenize, errors=OPENAI_ERRORS))
     register(Route("POST", "/detokenize", make_detokenize, errors=OPENAI_ERRORS))
-    register(Route("POST", "/v1/messages/count_tokens", make_count_tokens, errors=ANTHROPIC_ERRORS))
