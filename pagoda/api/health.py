@@ -29,6 +29,7 @@ def engine_stats(services: Services, timeout: float) -> dict[str, int] | None:
 
 def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHandler]:
     """/health (503 when the engine loop does not answer) and /metrics."""
+    speculation = services.engine.engine.speculation.describe()
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
@@ -36,6 +37,7 @@ def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHa
         stats = engine_stats(services, health_timeout)
         if stats is None:
             return Response({"status": "unavailable", "error": "the engine loop is not answering"}, status_code=503)
+        stats = {**stats, "speculation": speculation}  # set at start-up: the setting and the runner's row multiple
         if services.drain.draining:
             return Response({"status": "draining", **stats}, status_code=503)
         return Response({"status": "ok", **stats}, status_code=200)

@@ -19,7 +19,7 @@ from pagoda.core.constraint import Constraint
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.grammar import CompileQueue, Grammars
-from pagoda.core.outputs import RequestOutput, SampledToken
+from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason, Request, RequestStatus
 from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
@@ -57,7 +57,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.clock = clock  # arrival and the queue/prefill/decode stamps (the simulator's is virtual)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, getattr(runner, "row_multiple", 1))
+        self.scheduler = Scheduler(config, self.block_manager, runner.row_multiple)
+        self.speculation = self.scheduler.speculation  # what runs: the setting and the runner's row multiple
         self.sampler = Sampler()
         self.counters = EngineCounters()
         self.spec_counters = speculative.SpecCounters()
@@ -138,7 +139,7 @@ class Engine:
         return bool(self.requests) or bool(self._pending_aborts)
 
     # -- the step ------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnswerDelta]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""
         outputs = self._apply_aborts() + self._admit_compiled()
         started = self.clock()
@@ -154,12 +155,12 @@ class Engine:
         self._advance(batch, started)
         return outputs + self._collect(batch, logits)
 
-    def run(self) -> Iterator[RequestOutput]:
+    def run(self) -> Iterator[AnswerDelta]:
         """Step until every request has finished (offline use)."""
         while self.has_unfinished():
             yield from self.step()
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[AnswerDelta]:
         # requests whose grammar has compiled enter the scheduler; a failed compile ends its request alone
         outputs = [self._fail_request(request, exc) for request, exc in self.compiling.failures()]
         for request, compiled in self.compiling.ready():
@@ -177,7 +178,7 @@ class Engine:
             chunk.request.num_computed_tokens = chunk.end
             chunk.request.scheduled_time = chunk.request.scheduled_time or started
 
-    def _collect(self, batch: SchedulerOutput, logits: Any) -> list[RequestOutput]:
+    def _collect(self, batch: SchedulerOutput, logits: Any) -> list[AnswerDelta]:
         # logits: [rows, V]: per chunk that reaches its request's end, its last token's row and one per draft.
         # A failure in one request's own work (its sampling, logits processing, detokenizing) fails it alone.
         outputs, row = [], 0
@@ -190,18 +191,25 @@ class Engine:
                 outputs.append(self._fail_request(chunk.request, exc))
         return outputs
 
-    def _take(self, chunk: ScheduledChunk, rows: Any) -> RequestOutput:
-        """Sample the chunk's rows, keeping its drafts while they equal the token sampled (core/speculative.py)."""
+    def _take(self, chunk: ScheduledChunk, rows: Any) -> AnswerDelta:
+        """Sample the chunk's rows [1 + drafts, V] in order, keeping its drafts while they equal the token sampled.
+
+        Each token is appended (penalties and stop checks then see exactly the plain decode's tokens) before the
+        next row is sampled; a draft equal to the token sampled at its place is computed KV, which this phase
+        alone counts (core/speculative.py). The token after the last kept draft comes free."""
         request, tokens, text = chunk.request, [], ""
-        for token in speculative.verify(chunk, rows, self.sampler.sample_row):
+        drafts = chunk.draft_token_ids
+        for j, row in enumerate(rows):
+            token = self.sampler.sample_row(row, request)
             tokens.append(token)
             text += self._append(request, token)
-            if request.is_finished:
+            if request.is_finished or j == len(drafts) or token.token_id != drafts[j]:
                 break
+            request.num_computed_tokens += 1  # draft j's KV, written this step, is that of the token just appended
         if self.spec_counters.count(chunk, tokens) and not request.is_finished:
             self.scheduler.trim(request)  # the blocks only its rejected drafts used return
         logprobs = tokens if request.sampling_params.logprobs is not None else []
-        return RequestOutput.of(request, [t.token_id for t in tokens], text, logprobs=logprobs)
+        return AnswerDelta.of(request, [t.token_id for t in tokens], text, logprobs=logprobs)
 
     def _append(self, request: Request, token: SampledToken) -> str:
         """Append one sampled token and return its text; finishes the request if it stops here."""
@@ -242,7 +250,7 @@ class Engine:
             return stream.flush()
         return ""
 
-    def _apply_aborts(self) -> list[RequestOutput]:
+    def _apply_aborts(self) -> list[AnswerDelta]:
         outputs = []
         pending, self._pending_aborts = self._pending_aborts, []
         for request_id in pending:
@@ -251,22 +259,22 @@ class Engine:
                 continue
             self._finish(request, FinishReason.ABORT)
             self.counters.aborted_total += 1
-            outputs.append(RequestOutput.of(request, [], ""))
+            outputs.append(AnswerDelta.of(request, [], ""))
         return outputs
 
-    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[AnswerDelta]:
         # A forward that raises cannot say which row caused it: the whole batch ends with an error
         # (each stream gets its protocol's error event), never a silently truncated answer.
         logger.exception("model step failed; failing %d request(s)", len(batch.chunks))
         return [self._fail_request(chunk.request, exc) for chunk in batch.chunks]
 
-    def _fail_request(self, request: Request, exc: Exception) -> RequestOutput:
+    def _fail_request(self, request: Request, exc: Exception) -> AnswerDelta:
         """End one request with finish reason error (its blocks return now); its output carries the error."""
         if request.request_id in self.requests:  # it may have finished just before its own work raised
             self._finish(request, FinishReason.ERROR)
         request.finish_reason = FinishReason.ERROR
         self.counters.failed_total += 1
-        return RequestOutput.of(request, [], "", error=f"{type(exc).__name__}: {exc}")
+        return AnswerDelta.of(request, [], "", error=f"{type(exc).__name__}: {exc}")
 
     # -- what the outside may ask --------------------------------------
     def audit(self) -> None:

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup (n-gram) drafts for greedy requests, in the rows the runner pads (core/speculative.py)."""
+    """Prompt-lookup (n-gram) drafts for greedy requests (core/speculative.py), and the rows a step may give them:
+    the rows the runner pads anyway, plus at most `max_extra_rows` more (0: a draft never makes a step bigger)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3  # most drafts one request gets in a step
     prompt_lookup_max: int = 4  # the longest suffix n-gram looked up earlier in the request's tokens
     prompt_lookup_min: int = 1  # the shortest
+    max_extra_rows: int = 0  # token (and LM-head) rows a step may add for drafts beyond its runner's padding
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -27,6 +29,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_extra_rows, int) or isinstance(self.max_extra_rows, bool) or self.max_extra_rows < 0:
+            raise ValueError(f"speculative_config.max_extra_rows must be an integer >= 0, got {self.max_extra_rows!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds"
                              f" prompt_lookup_max ({self.prompt_lookup_max})")
@@ -59,7 +63,8 @@ class EngineConfig:
     max_model_len: int = 8192  # prompt + output tokens of one request
     enable_prefix_caching: bool = True  # share computed full blocks between requests with equal prefixes
     max_waiting: int | None = None  # requests the waiting queue may hold; a new one beyond is refused (QueueFull)
-    # n-gram drafts in the rows the runner's padding would waste (never a bigger step); None = off
+    # n-gram drafts for greedy requests, in the rows the runner's padding would waste (by default never a bigger
+    # step); None = off. Whether they can run also depends on the runner's row multiple: Scheduler.speculation.
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:

@@ -26,9 +26,11 @@ than the model's context) are refused when they are added, never left waiting.
 
 Speculation. Once the step's chunks are chosen, greedy sampling chunks get
 n-gram drafts (core/speculative.py) in the rows the runner would pad anyway
-(its `row_multiple`, for token rows and for LM-head rows alike), so a step
-never grows; their slots are allocated like any tokens, and a draft never
-preempts or waits for a block. No torch here.
+(its `row_multiple`, for token rows and for LM-head rows alike), plus the
+extra rows the setting allows (none by default, so a step never grows); their
+slots are allocated like any tokens, and a draft never preempts or waits for
+a block. `self.speculation` is what the setting and the runner leave running.
+No torch here.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, row_multiple: int = 1) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.row_multiple = row_multiple  # the runner's: drafts go only into the rows it pads with
+        self.row_multiple = row_multiple  # the runner's: drafts go into the rows it pads with
+        self.speculation = speculative.in_force(config.speculative, row_multiple)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -151,13 +154,13 @@ class Scheduler:
         return budget
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        """Give greedy sampling chunks drafts, in arrival order, as long as the padded rows last."""
-        spec, bm = self.config.speculative, self.block_manager
-        if spec is None or self.row_multiple <= 1:
+        """Give greedy sampling chunks drafts, in arrival order, as long as the spare rows last."""
+        spec, bm = self.speculation.config, self.block_manager
+        if spec is None:
             return
         sampling = [c for c in chunks if c.samples]
-        spare = min(speculative.padding_waste(sum(c.num_tokens for c in chunks), self.row_multiple),
-                    speculative.padding_waste(len(sampling), self.row_multiple), budget)
+        spare = min(speculative.num_spare_rows(sum(c.num_tokens for c in chunks), self.row_multiple, spec.max_extra_rows),
+                    speculative.num_spare_rows(len(sampling), self.row_multiple, spec.max_extra_rows), budget)
         for chunk in sampling:
             if spare <= 0:
                 return

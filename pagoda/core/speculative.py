@@ -2,16 +2,24 @@
 
 Design note. The CPU matmuls pad a step's rows to a multiple of 4 for batch
 invariance (`model/matmul.py`), so a lone decode computes three rows that are
-thrown away. The scheduler fills such rows, and only such rows, with drafts:
-the tokens that followed the latest n-gram's earliest earlier occurrence
-(vLLM's "ngram" method). A speculated chunk computes the request's last token
-plus its drafts; the runner returns a logits row for each. The engine samples
-row j as the plain decode would (its logits are the same bits: every row is
-computed on its own, whether in a decode or a prefill chunk) and keeps draft j
-only if it equals that token, so the text is the plain decode's token for
-token; the token after the last kept draft comes free. Rejected drafts' KV
-slots are overwritten when those positions are computed for real, and their
-blocks return at once (`BlockManager.trim`): no new ledger state.
+thrown away. The scheduler fills such rows with drafts: the tokens that
+followed the latest n-gram's earliest earlier occurrence (vLLM's "ngram"
+method). A speculated chunk computes the request's last token plus its
+drafts; the runner returns a logits row for each. The engine samples row j as
+the plain decode would (its logits are the same bits: every row is computed on
+its own, whether in a decode or a prefill chunk) and keeps draft j only if it
+equals that token, so the text is the plain decode's token for token; the
+token after the last kept draft comes free. Rejected drafts' KV slots are
+overwritten when those positions are computed for real, and their blocks
+return at once (`BlockManager.trim`): no new ledger state.
+
+What runs is a setting, never a kernel's accident: `EngineConfig.speculative`
+says whether drafts run and how many rows beyond the padding a step may give
+them (`max_extra_rows`, 0 by default); the runner declares its row multiple;
+`in_force` combines the two into the `Speculation` the engine reports at
+start-up and in /health, with the reason when it is off (a runner that pads
+nothing, int8/int4 weights or CUDA, leaves no row to fill unless extra rows
+are allowed).
 
 Only greedy, unconstrained requests speculate: a sampled one would need
 rejection sampling, which would move its seeded random stream. No torch here.
@@ -19,9 +27,9 @@ rejection sampling, which would move its seeded random stream. No torch here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagoda.core.engine_config import SpeculativeConfig
 from pagoda.core.request import Request
@@ -29,6 +37,40 @@ from pagoda.core.request import Request
 if TYPE_CHECKING:
     from pagoda.core.batch import ScheduledChunk
     from pagoda.core.outputs import SampledToken
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The speculation in force: the config drafts run with (None: none run), and why, in words."""
+
+    config: SpeculativeConfig | None
+    reason: str
+
+    @property
+    def active(self) -> bool:
+        return self.config is not None
+
+    def describe(self) -> dict[str, object]:
+        """For /health: whether drafts run, why, and the settings they run with."""
+        settings = {} if self.config is None else {
+            "method": self.config.method, "num_speculative_tokens": self.config.num_speculative_tokens,
+            "max_extra_rows": self.config.max_extra_rows}
+        return {"active": self.active, "reason": self.reason, **settings}
+
+
+def in_force(config: SpeculativeConfig | None, row_multiple: int) -> Speculation:
+    """What the setting and the runner's row multiple leave running."""
+    if config is None:
+        return Speculation(None, "off: --speculative-config is empty")
+    if row_multiple <= 1 and config.max_extra_rows == 0:
+        return Speculation(None, "off: the runner pads no rows (its matmuls need none: the int8/int4 formats, CUDA, or torch's plain"
+                                 " products on a CPU without native bfloat16)"
+                                 " and speculative_config.max_extra_rows is 0, so no step has a row to give a draft")
+    rows = f"the rows the runner pads (to a multiple of {row_multiple})" if row_multiple > 1 else ""
+    extra = f"up to {config.max_extra_rows} more rows a step" if config.max_extra_rows else ""
+    where = " and ".join(part for part in (rows, extra) if part)
+    return Speculation(config, f"on: {config.method}, up to {config.num_speculative_tokens} drafts per greedy request,"
+                               f" in {where}")
 
 
 def propose(token_ids: Sequence[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -77,21 +119,9 @@ def padding_waste(num_rows: int, row_multiple: int) -> int:
     return -num_rows % row_multiple
 
 
-def verify(chunk: ScheduledChunk, rows: Any, sample_row: Callable[[Any, Request], SampledToken]
-           ) -> Iterator[SampledToken]:
-    """Sample a chunk's logits rows [1 + drafts, V] in order, yielding each token.
-
-    The caller appends each token (and may stop, e.g. at EOS) before the next row is sampled, so penalties
-    and stop checks see exactly the plain decode's tokens. Stops after the first token that differs from
-    its draft, or after the bonus token that follows the last draft.
-    """
-    request = chunk.request
-    for row, draft in zip(rows, (*chunk.draft_token_ids, None)):
-        token = sample_row(row, request)
-        yield token
-        if token.token_id != draft:
-            return
-        request.num_computed_tokens += 1  # the draft's KV, written this step, is that of the token now appended
+def num_spare_rows(num_rows: int, row_multiple: int, extra_rows: int) -> int:
+    """Rows a step of `num_rows` may give drafts: its padding to the row multiple, plus `extra_rows`."""
+    return padding_waste(num_rows, row_multiple) + extra_rows
 
 
 @dataclass

@@ -38,7 +38,7 @@ class TimedRunner:
         self.clock = clock
         self.cost = cost
         self.vocab_size = runner.vocab_size
-        self.row_multiple = getattr(runner, "row_multiple", 1)
+        self.row_multiple = runner.row_multiple
 
     def execute(self, batch: SchedulerOutput):
         self.clock.advance_by(self.cost.step_seconds(batch))

@@ -33,6 +33,7 @@ class BlockedRunner:
     def __init__(self, runner):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
         self.entered = threading.Event()
         self.release = threading.Event()
 
@@ -48,6 +49,7 @@ class SlowRunner:
     def __init__(self, runner, delay):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
         self.delay = delay
 
     def execute(self, batch):

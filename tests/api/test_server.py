@@ -188,6 +188,7 @@ class FailingRunner:
     def __init__(self, runner):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
 
     def execute(self, batch):
         raise RuntimeError("device lost")

@@ -21,6 +21,7 @@ class GatedRunner:
     def __init__(self, runner):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
         self.allowed = threading.Semaphore(0)
         self.steps = 0
 
@@ -39,6 +40,7 @@ class FailingRunner:
     def __init__(self, runner):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.row_multiple = runner.row_multiple
 
     def execute(self, batch):
         raise RuntimeError("device lost")

@@ -133,6 +133,8 @@ def test_preempted_request_continues_exactly_as_alone():
 class ScriptedRunner:
     """Emits a fixed token sequence: the token at output position i is script[i]."""
 
+    row_multiple = 1  # pads nothing
+
     def __init__(self, script, vocab_size):
         self.script, self.vocab_size = script, vocab_size
 

@@ -124,26 +124,72 @@ def test_greedy_tokens_are_the_same_with_drafts_and_drafts_are_accepted(max_runn
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def hand_steps(engine, jobs, limit=200):
+    """Each step's batch, yielded before it runs: the engine stepped by hand (schedule, run, advance, sample),
+    audited after every step."""
+    for rid, prompt, params in jobs:
+        engine.add_request(rid, prompt, params)
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        batch = engine.scheduler.schedule()
+        yield batch
+        logits = engine.runner.execute(batch).logits
+        engine._advance(batch, 0.0)
+        engine._collect(batch, logits)
+        engine.audit()
+
+
 def test_drafts_only_fill_rows_the_padding_would_waste():
     engine = periodic_engine(SpeculativeConfig(num_speculative_tokens=8), max_running=4)
-    for rid, prompt, params in JOBS[:3]:
-        engine.add_request(rid, prompt, params)
     seen = 0
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        batch = engine.scheduler.schedule()
+    for batch in hand_steps(engine, JOBS[:3]):
         own = sum(c.num_tokens for c in batch.chunks)
         rows = own + batch.num_draft_tokens
         assert -(-rows // 4) == -(-own // 4), "drafts made the step bigger"
         sampling = len(batch.sample_chunks)
         assert -(-(sampling + batch.num_draft_tokens) // 4) == -(-sampling // 4), "drafts grew the LM head's rows"
         seen += batch.num_draft_tokens
-        logits = engine.runner.execute(batch).logits
-        engine._advance(batch, 0.0)
-        engine._collect(batch, logits)
-        engine.audit()
     assert seen > 0 and not engine.has_unfinished()
+
+
+def unpadded() -> PeriodicRunner:
+    """The same model on a runner that pads nothing (int8/int4 weights, CUDA): no row is spare."""
+    return PeriodicRunner(64, 4, vocab_size=VOCAB, row_multiple=1)
+
+
+def test_the_setting_and_the_runners_row_multiple_decide_what_runs_and_say_why():
+    assert not speculative.in_force(None, 4).active
+    assert "--speculative-config is empty" in speculative.in_force(None, 4).reason
+    off = speculative.in_force(SpeculativeConfig(), 1)
+    assert not off.active and "pads no rows" in off.reason and "max_extra_rows is 0" in off.reason
+    on = speculative.in_force(SpeculativeConfig(), 4)
+    assert on.active and "multiple of 4" in on.reason
+    extra = speculative.in_force(SpeculativeConfig(max_extra_rows=2), 1)
+    assert extra.active and "up to 2 more rows a step" in extra.reason
+    assert extra.describe() == {"active": True, "reason": extra.reason, "method": "ngram",
+                                "num_speculative_tokens": 3, "max_extra_rows": 2}
+
+
+def test_a_runner_that_pads_nothing_runs_drafts_only_in_the_extra_rows_the_setting_allows():
+    config = dict(num_blocks=64, block_size=4, max_running=4, max_batched_tokens=64, max_model_len=256)
+    plain = run_jobs(Engine(unpadded(), EngineConfig(**config, speculative=None)), JOBS)
+    quiet = Engine(unpadded(), EngineConfig(**config))  # the default: padded rows only
+    assert not quiet.speculation.active and run_jobs(quiet, JOBS) == plain
+    assert quiet.stats()["spec_decode_draft_tokens_total"] == 0  # off, and said so: not "on" and silently idle
+    wide = Engine(unpadded(), EngineConfig(**config, speculative=SpeculativeConfig(max_extra_rows=3)))
+    assert wide.speculation.active and run_jobs(wide, JOBS) == plain
+    assert wide.stats()["spec_decode_accepted_tokens_total"] > 0
+
+
+def test_extra_rows_bound_how_much_a_step_may_grow():
+    engine = periodic_engine(SpeculativeConfig(num_speculative_tokens=8, max_extra_rows=2), max_running=4)
+    grew = 0
+    for batch in hand_steps(engine, JOBS[:3]):
+        own = sum(c.num_tokens for c in batch.chunks)
+        assert batch.num_draft_tokens <= -own % 4 + 2, "drafts took more than the padding and the extra rows"
+        grew += batch.num_draft_tokens > -own % 4
+    assert grew > 0 and not engine.has_unfinished()
 
 
 def test_stops_inside_an_accepted_run_end_the_request_there():

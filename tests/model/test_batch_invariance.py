@@ -32,6 +32,7 @@ class RecordingRunner:
     def __init__(self, inner: TorchModelRunner) -> None:
         self.inner = inner
         self.vocab_size = inner.vocab_size
+        self.row_multiple = inner.row_multiple
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         self.max_chunks = 0  # the most requests one step carried
 
