@@ -1,5 +1,10 @@
 import os
 
+# The CPU set-up every entry point shares (pagoda/core/machine.py): before anything imports torch.
+from pagoda.core.machine import prepare_process
+
+prepare_process()
+
 from hypothesis import HealthCheck, settings
 
 # `make test` runs the CI profile; HYPOTHESIS_PROFILE=deep runs thousands of crowds.

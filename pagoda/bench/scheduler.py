@@ -84,14 +84,14 @@ RUNNING = (16, 64, 256, 1024)
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    import torch
+    from pagoda.core.machine import configure_threads
 
     p = argparse.ArgumentParser(prog="pagoda bench scheduler", description=__doc__.split("\n")[0])
     p.add_argument("--running", default=",".join(map(str, RUNNING)), help="requests decoding side by side, per row")
     p.add_argument("--steps", type=int, default=500, help="decode steps timed per row")
     p.add_argument("--clients", type=int, default=1000, help="the simulation's crowd (0: skip it)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # as `pagoda simulate` does: the fake model's tensors are tiny
+    configure_threads(1)  # as `pagoda simulate` does: the fake model's tensors are tiny
     print("| scheduler + ledger per decode step | running | mean ms | p50 ms | p99 ms | CPU p50 ms | CPU us per request |")
     print("|---|---|---|---|---|---|---|")
     for num_running in (int(n) for n in args.running.split(",")):

@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
-import torch
-
 from pagoda.core.engine_config import EngineConfig
+from pagoda.core.machine import configure_threads
 from pagoda.simulator.crowd import crowd_to_json, load_crowd, mixed_crowd
 from pagoda.simulator.simulate import SimulationConfig, simulate
 
@@ -30,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The fake model's tensors are tiny: one thread avoids paying thread-pool wake-ups on every op.
-    torch.set_num_threads(1)
+    configure_threads(1)  # the fake model's tensors are tiny: one thread pays no pool wake-ups on every op
     if not 0 <= args.hangup_fraction <= 1:
         raise SystemExit("--hangup-fraction must be in [0, 1]")
     plans = load_crowd(args.crowd) if args.crowd else mixed_crowd(args.seed, args.clients, args.hangup_fraction)

@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from pagoda.kernels.cpu_plan import TILE, AttentionPlan, KeyChunk, RowSet, round_up
-from pagoda.kernels.cpu_threads import few_threads, small_attention
 from pagoda.kernels.kv_cache import gather_blocks, write_kv
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.workspace import Workspace
@@ -195,5 +194,4 @@ class CpuBackend:
         geometry = (k_cache.shape[1], k_cache.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[3])
         if self.plan is None or not self.plan.fits(meta, *geometry):
             self.plan = AttentionPlan.build(meta, *geometry)
-        with few_threads(small_attention(self.plan.max_scores)):  # tiny products: no OpenMP wake-ups
-            return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)
+        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)

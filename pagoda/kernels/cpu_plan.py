@@ -18,9 +18,7 @@ reading only the tiles up to its last position. The grouping never changes
 the bits, which is why it can follow a memory budget: a row's scores are dots
 over head_dim, its P @ V products have the fixed reduction length TILE, and
 every matmul's row count is a multiple of ROW_MULTIPLE whatever the group
-(MKL then gives each row the same bits for any row or batch count). The plan
-also records the largest fold (`max_scores`), from which `cpu_threads.py`
-picks the attention's thread count.
+(MKL then gives each row the same bits for any row or batch count).
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ class AttentionPlan:
     meta: AttentionMetadata
     key: tuple  # cache geometry and module constants the plan was built for
     row_sets: list[RowSet]
-    max_scores: int  # score elements of the largest fold (one step of rows against one key chunk)
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> AttentionPlan:
@@ -119,9 +116,7 @@ class AttentionPlan:
                 [b], slice(starts[b], starts[b] + qlen), qlen, rows, torch.tensor([pos]), last, step,
                 _key_chunks(meta, [b], [seq_len], chunk, block_size, unit),
             ))  # fmt: skip
-        max_scores = max((num_kv_heads * len(rs.seqs) * min(rs.rows, rs.step) * max(c.length for c in rs.chunks)
-                          for rs in row_sets), default=0)
-        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets, max_scores)
+        return cls(meta, _plan_key(block_size, num_kv_heads, group, dim), row_sets)
 
     def fits(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int, group: int, dim: int) -> bool:
         """Whether this plan was built for this step and this geometry."""

@@ -6,9 +6,13 @@
   tokenizer (`pagoda generate`, which needs the tokenizer to size the pool for its prompt).
 - `make_engine(model, config)`: an Engine over a model already built (random-weight benchmarks
   and tests); the runner's KV pool is the config's, given once.
+- `engine_config(options, model_config, kv_dtype, device)`: the EngineConfig the options make for a
+  model (the context and the pool sized from memory where the options leave them open).
 
 The pool and batch defaults are `EngineConfig`'s field defaults; `EngineOptions` and the command
-line read them from there.
+line read them from there. Every engine made here runs on the process's CPU set-up
+(pagoda/core/machine.py: `configure_threads`), the same for the server, the library, the tests and
+the benchmarks.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
+from pagoda.core.machine import configure_threads
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.kernels import AttentionBackend
+from pagoda.model.config import ModelConfig
 from pagoda.model.llama import Transformer
 from pagoda.model.runner import TorchModelRunner, auto_num_blocks
 
@@ -64,34 +72,49 @@ class EngineOptions:
 def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (),
                 tokenizer: Tokenizer | None = None, backend: AttentionBackend | None = None) -> Engine:
     """An Engine over a built model, its runner's KV pool sized by `config`."""
+    configure_threads()
     runner = TorchModelRunner(model, config, backend=backend)
-    return Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+    engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+    logger.info("speculative decoding %s", engine.speculation.reason)
+    return engine
+
+
+def context_length(options: EngineOptions, model_config: ModelConfig) -> int:
+    """Prompt + output tokens of one request: --max-model-len, at most the model's context (its default)."""
+    context = model_config.max_position_embeddings
+    if options.max_model_len is not None and options.max_model_len > context:
+        raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
+    return options.max_model_len or context
+
+
+def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: torch.dtype,
+                  device: torch.device) -> EngineConfig:
+    """The engine's configuration for this model: the options, the model's context where they name none, the
+    KV pool sized from free memory where they give no --num-blocks."""
+    max_model_len = context_length(options, model_config)
+    num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, kv_dtype, device,
+                                                       max_model_len=max_model_len)
+    return EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
+                        max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
+                        enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
+                        speculative=options.speculative)
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
     """Load the model in `model_dir` and make an Engine over it with the options' pool and limits."""
-    from pagoda.model.config import ModelConfig
     from pagoda.model.loader import load_model, resolve_device, resolve_dtype, weight_format
 
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    context = ModelConfig.from_file(model_dir).max_position_embeddings
-    if options.max_model_len is not None and options.max_model_len > context:
-        raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
-    max_model_len = options.max_model_len or context
-    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_model_len,
+    max_positions = context_length(options, ModelConfig.from_file(model_dir))  # refused before any weight loads
+    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions,
                                      quantization=options.quantization)
     kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
-    num_blocks = options.num_blocks or auto_num_blocks(model_config, options.block_size, kv_dtype, device,
-                                                       max_model_len=max_model_len)
-    config = EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
-                          max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
-                          enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
-                          speculative=options.speculative)
+    config = engine_config(options, model_config, kv_dtype, device)
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
     logger.info("model %s on %s: weights %s, KV cache %s, %d KV blocks of %d tokens, context %d, prefix caching %s",
-                model_dir, device, weight_format(model), str(kv_dtype).removeprefix("torch."), num_blocks,
-                options.block_size, max_model_len, "on" if options.enable_prefix_caching else "off")
+                model_dir, device, weight_format(model), str(kv_dtype).removeprefix("torch."), config.num_blocks,
+                config.block_size, config.max_model_len, "on" if config.enable_prefix_caching else "off")
     return make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer)
 
 

@@ -23,25 +23,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagoda.kernels.cpu_threads import few_threads, small_step, wide
 from pagoda.model.config import ModelConfig
 from pagoda.model.matmul import ONEDNN_BF16, PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
 
 
+class LinearThreads(Protocol):
+    """Where a step's linear layers run; the rest of the step runs on the threads it was called on (the runner's
+    choice: pagoda/model/runner.py, StepThreads)."""
+
+    def linear(self, layer: nn.Module, x: Tensor) -> Tensor:
+        """layer(x), on the threads the step gives its linear layers."""
+        ...
+
+
+class SameThreads:
+    """Linear layers on the threads the step runs on (no switch): GPUs, the reference path, big CPU steps."""
+
+    def linear(self, layer: nn.Module, x: Tensor) -> Tensor:
+        return layer(x)
+
+
+SAME_THREADS = SameThreads()
+
+
 @dataclass
 class StepContext:
-    """What attention needs for one forward besides the hidden states."""
+    """What attention needs for one forward besides the hidden states, and where the linear layers run."""
 
     meta: Any  # pagoda.kernels.AttentionMetadata for the first `num_tokens` rows
     kv_caches: list[tuple[Tensor, Tensor]]  # per layer (k, v), each [num_blocks, block_size, n_kv_heads, head_dim]
     backend: Any  # pagoda.kernels.AttentionBackend
     num_tokens: int  # real rows; rows beyond are padding
+    threads: LinearThreads = SAME_THREADS  # the runner's StepThreads
 
 
 class RMSNorm(nn.Module):
@@ -108,11 +127,11 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, matmul, **factory)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, matmul, **factory)
 
-    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [Tp, H] -> q [n, nh, D], k and v [n, nkv, D] for the first n = len(cos) rows.
-        # The projection runs over all Tp rows: its row count is what keeps it batch invariant.
+    def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # qkv: the projection of x [Tp, H], over all Tp rows (its row count is what keeps it batch invariant)
+        # -> q [n, nh, D], k and v [n, nkv, D] for the first n = len(cos) rows.
         t = cos.shape[0]
-        qkv = wide(self.qkv_proj, x)[:t]
+        qkv = qkv[:t]
         # q and k heads are adjacent columns: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qk, cos, sin)
@@ -122,18 +141,18 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
         # x: [Tp, H], of which the first n rows are real; cos, sin: [n, D]
         n = ctx.num_tokens
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(ctx.threads.linear(self.qkv_proj, x), cos, sin)
         k_cache, v_cache = kv_cache
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
         out = ctx.backend.attention(q.contiguous(), k_cache, v_cache, ctx.meta, self.scale)  # [n, nh, D]
         out = out.reshape(n, self.q_size)
         if x.shape[0] > n:  # padding rows carry zeros into o_proj
             out = torch.cat((out, out.new_zeros(x.shape[0] - n, self.q_size)))
-        return wide(self.o_proj, out)
+        return ctx.threads.linear(self.o_proj, out)
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Plain causal attention over one whole sequence x [T, H] (the test oracle)."""
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(self.qkv_proj(x), cos, sin)
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants [heads, T, D]
@@ -148,10 +167,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, matmul, **factory)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, matmul, **factory)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, threads: LinearThreads = SAME_THREADS) -> Tensor:
         # x: [T, H] -> gate, up: [T, I] -> [T, H]
-        gate, up = wide(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return wide(self.down_proj, F.silu(gate).mul_(up))
+        gate, up = threads.linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
+        return threads.linear(self.down_proj, F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -165,7 +184,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
         # the residual adds land in the sublayers' fresh outputs (a + x is x + a, bit for bit)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx).add_(x)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), ctx.threads).add_(h)
 
 
 class DecoderStack(nn.Module):
@@ -235,13 +254,10 @@ class Transformer(nn.Module):
         assert len(ctx.kv_caches) == len(self.model.layers)
         real = positions[: ctx.num_tokens]
         cos, sin = self.rope_cos[real], self.rope_sin[real]  # [n, D]
-        # a small step's elementwise work and attention run on one thread, its linear layers on all
-        # (`wide`): under OMP_WAIT_POLICY=PASSIVE each parallel region costs a wake-up (cpu_threads.py)
-        with few_threads(input_ids.device.type == "cpu" and small_step(input_ids.shape[0])):
-            h = self.model.embed_tokens(input_ids)  # [Tp, H]
-            for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
-                h = layer(h, cos, sin, kv_cache, ctx)
-            return self.model.norm(h)
+        h = self.model.embed_tokens(input_ids)  # [Tp, H]
+        for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
+            h = layer(h, cos, sin, kv_cache, ctx)
+        return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32."""

@@ -17,12 +17,36 @@ product; MKL sgemm also treats a remainder of 1-3 rows apart). The model's
 on the other rows, and the runner pads the token rows, and the rows fed to the
 LM head, to that multiple. Padding rows skip attention and are dropped. The
 attention backend keeps its own per-row reduction order.
+
+Threads. The process's thread count is set once (pagoda/core/machine.py);
+the switching inside a step is here, and only here. OpenMP's waiting threads
+sleep, so every parallel region pays a wake-up (50-100 us on the 2-core CI
+machine), more than the work itself for the small ops of a decode or a short
+prefill. So a CPU step of at most SMALL_ROWS token rows runs on one thread,
+except its linear layers, which run on every thread (`StepThreads.linear`,
+handed to the model in its StepContext: eight switches a layer, about 0.3 us
+each); and its attention runs on every thread only when the step's attention
+has more than SMALL_ATTENTION score elements, on one thread otherwise (in
+bigger steps too). Thread counts never change a row's bits (the kernel tests
+run the attention at 1 and 4 threads). Measured (float32, 2 threads,
+`pagoda bench step-ab`, two rounds, docs/performance.md "Threads inside a
+step"): against switching both, switching nothing made decode steps of
+1/16/64 rows and a 16-prompt prefill 1.48/1.19-1.24/1.14-1.28/1.14-1.35x as
+long; switching only the attention 1.03-1.34/0.95-1.09/1.13-1.25/1.04-1.09x.
+SMALL_ATTENTION (2^21) is about where a step's attention,
+timed alone at the default model's shapes, may begin to gain from a second
+thread: one thread was as fast or faster at every decode point of 1-64
+sequences of 64-4096 tokens but one (64 x 1024, 0.59M score elements: 1.15x
+slower), 170 against 190 ms at 64 x 4096 (2.4M) (`pagoda bench kernels
+--threads 1` against `--threads 2`, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +59,12 @@ from pagoda.model.config import ModelConfig
 from pagoda.model.llama import StepContext, Transformer
 
 
+# a CPU step of at most this many token rows runs on one thread but for its linear layers (the design note)
+SMALL_ROWS = 256
+# a step's attention with at most this many score elements (heads x queries x keys) runs on one thread
+SMALL_ATTENTION = 1 << 21
+
+
 @dataclass
 class StepInputs:
     input_ids: Tensor  # [Tp] int64, padded
@@ -42,6 +72,7 @@ class StepInputs:
     sample_rows: Tensor  # [Sp] int64: row of each sampling chunk's last token and of each of its drafts, padded
     num_samples: int
     ctx: StepContext
+    threads: StepThreads  # the threads the step runs on (also the model's `ctx.threads`)
 
 
 class TorchModelRunner:
@@ -58,6 +89,8 @@ class TorchModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.backend = backend if backend is not None else select_backend(self.device)
+        self.switch_threads = self.device.type == "cpu"  # the design note: a small step's work on one thread
+        self.small_rows, self.small_attention = SMALL_ROWS, SMALL_ATTENTION  # its thresholds (benchmarks vary them)
         # the LM head's kernel may differ from the layers' (a float head over int4 layers)
         self.row_multiple = row_multiple or max(model.matmul.row_multiple, model.lm_head_packed.matmul.row_multiple)
         c = self.model_config
@@ -70,7 +103,8 @@ class TorchModelRunner:
         if batch.is_empty:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)  # [Tp, H]
+        with inputs.threads.step():  # a small CPU step: on one thread, but for its linear layers
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)  # [Tp, H]
         if inputs.num_samples == 0:  # only partial prefill chunks this step
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [Sp, V]
@@ -92,13 +126,76 @@ class TorchModelRunner:
         sample_rows = [row for end, c in zip(ends, chunks) if c.samples for row in range(end - c.num_logits_rows, end)]
         num_samples = len(sample_rows)
         sample_rows += [0] * (_round_up(num_samples, self.row_multiple) - num_samples)
+        threads, backend = self._threads_for(meta, padded)
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=positions,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             num_samples=num_samples,
-            ctx=StepContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend, num_tokens=num_tokens),
+            ctx=StepContext(meta=meta, kv_caches=self.kv_caches, backend=backend, num_tokens=num_tokens,
+                            threads=threads),
+            threads=threads,
         )
+
+    def _threads_for(self, meta: AttentionMetadata, num_rows: int) -> tuple[StepThreads, AttentionBackend]:
+        """The threads a step runs on, and its attention backend on the attention's own (the design note)."""
+        full = narrow = attention = torch.get_num_threads()
+        if self.switch_threads:
+            narrow = 1 if num_rows <= self.small_rows else full
+            scores = self.model_config.num_attention_heads * sum(q * k for q, k in zip(meta.query_lens_cpu,
+                                                                                     meta.seq_lens_cpu))
+            attention = 1 if scores <= self.small_attention else full
+        backend = self.backend if attention == narrow else AttentionOn(self.backend, attention, narrow)
+        return StepThreads(narrow=narrow, full=full), backend
+
+
+def _set_threads(n: int) -> None:
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+@dataclass(frozen=True)
+class StepThreads:
+    """A CPU step's threads: the step on `narrow`, its linear layers on `full` (the design note)."""
+
+    narrow: int
+    full: int
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The forward on `narrow` threads; the process's count (`full`) after."""
+        _set_threads(self.narrow)
+        try:
+            yield
+        finally:
+            _set_threads(self.full)
+
+    def linear(self, layer: torch.nn.Module, x: Tensor) -> Tensor:
+        if self.narrow == self.full:
+            return layer(x)
+        _set_threads(self.full)
+        try:
+            return layer(x)
+        finally:
+            _set_threads(self.narrow)
+
+
+class AttentionOn:
+    """A backend whose attention runs on `threads`, the step around it on `step_threads`."""
+
+    def __init__(self, backend: AttentionBackend, threads: int, step_threads: int) -> None:
+        self.backend, self.threads, self.step_threads = backend, threads, step_threads
+        self.name = backend.name
+
+    def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+        self.backend.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        _set_threads(self.threads)
+        try:
+            return self.backend.attention(q, k_cache, v_cache, meta, scale)
+        finally:
+            _set_threads(self.step_threads)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -1,4 +1,4 @@
-"""Short prefill chunks folded together in one row set, and the attention's thread choice: same bits as alone."""
+"""Short prefill chunks folded together in one row set, at either thread count: same bits as alone."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 import pagoda.kernels.cpu_plan as plan_mod
 from pagoda.kernels.cpu_attention import CpuBackend
 from pagoda.kernels.cpu_plan import AttentionPlan
-from pagoda.kernels.cpu_threads import few_threads, threads, wide
 
 from .attention_world import World
 from .test_cpu_attention import run_cpu
@@ -71,29 +70,17 @@ def test_the_budget_splits_groups_without_changing_bits(world, alone, monkeypatc
     assert torch.equal(run_cpu(step), want)
 
 
-def test_backend_attention_at_either_thread_count_gives_the_same_bits(world, alone, monkeypatch):
-    import pagoda.kernels.cpu_attention as cpu_mod
-
+def test_backend_attention_at_either_thread_count_gives_the_same_bits(world, alone):
     items = [(i, 0, n) for i, n in enumerate(LENS[:7])] + [(7, 1099, 1)]
     step = world.batch(items)
     results = []
-    for small in (True, False):
-        monkeypatch.setattr(cpu_mod, "small_attention", lambda _scores, small=small: small)
-        results.append(CpuBackend().attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale))
+    threads = torch.get_num_threads()
+    for n in (1, max(2, threads)):  # the runner's one-thread switch (pagoda/model/runner.py), and the full count
+        torch.set_num_threads(n)
+        try:
+            results.append(CpuBackend().attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale))
+        finally:
+            torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
     for j, (i, s, n) in enumerate(items):
         assert torch.equal(results[0][step.rows_of(j)], alone[i][s : s + n]), i
-
-
-def test_few_threads_runs_small_work_on_one_thread_and_restores_the_count():
-    with threads(2):
-        with few_threads(True):
-            assert torch.get_num_threads() == 1
-            assert wide(torch.get_num_threads) == 2
-            with few_threads(False):  # nested: the full count is the outer block's
-                assert torch.get_num_threads() == 2
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with few_threads(False):
-            assert torch.get_num_threads() == 2
-        assert wide(torch.get_num_threads) == 2  # outside a few_threads block: unchanged

@@ -131,3 +131,56 @@ def test_make_engine_sizes_the_cache_and_the_pool_from_one_config():
     engine.add_request("a", prompt(7, 10), SamplingParams(max_tokens=3, temperature=0))
     assert sum(len(o.new_token_ids) for o in engine.run()) == 3
     engine.audit()
+
+
+class ThreadProbe:
+    """The CPU attention backend, noting the thread count each attention call ran on."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from pagoda.kernels.cpu_attention import CpuBackend
+
+        self.inner, self.seen = CpuBackend(), []
+
+    def write_kv(self, *args):
+        self.inner.write_kv(*args)
+
+    def attention(self, *args):
+        self.seen.append(torch.get_num_threads())
+        return self.inner.attention(*args)
+
+
+def test_a_small_steps_attention_runs_on_one_thread_and_the_rest_on_all():
+    probe = ThreadProbe()
+    runner = make_runner(backend=probe)
+    layers = runner.model_config.num_hidden_layers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step(runner, chunk(request("a", prompt(1, 8)), 0, 8, list(range(NUM_BLOCKS))))  # 4 heads x 8 x 8 scores
+        assert probe.seen == [1] * layers and torch.get_num_threads() == 2  # and the count is back
+        probe.seen.clear()
+        runner.small_attention = 4 * 8 * 8 - 1  # the same step's attention is now a big one
+        step(runner, chunk(request("b", prompt(1, 8)), 0, 8, list(range(NUM_BLOCKS))))
+        assert probe.seen == [2] * layers
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_small_steps_linear_layers_run_on_every_thread_and_the_rest_on_one():
+    from pagoda.model.runner import StepThreads
+
+    seen = []
+    layer = lambda x: seen.append(torch.get_num_threads()) or x  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        step_threads = StepThreads(narrow=1, full=2)
+        with step_threads.step():
+            seen.append(torch.get_num_threads())
+            step_threads.linear(layer, torch.zeros(1))
+            seen.append(torch.get_num_threads())
+        assert seen == [1, 2, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
