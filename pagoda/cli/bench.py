@@ -12,9 +12,12 @@ BENCHMARKS = {
     "offline": "pagoda.bench.offline",
     "disconnect": "pagoda.bench.disconnect",
     "crowd": "pagoda.bench.crowd",
-    "serve": "pagoda.bench.serve",
+    "serve": "pagoda.bench.serve.sweep",
     "grammar": "pagoda.bench.grammar",
     "soak": "pagoda.bench.soak",
+    "step-ab": "pagoda.bench.step_ab",
+    "weight-formats": "pagoda.bench.weight_formats",
+    "speculative": "pagoda.bench.speculative",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagoda.bench.serve import main
+from pagoda.bench.serve.sweep import main
 from pagoda.simulator.crowd import crowd_to_json, mixed_crowd
 from tests.server_fixtures import TINY_ENGINE, TINY_NAME, start_server
 

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.api.metrics import AccessRecord, Metrics
-from pagoda.bench.serve_client import split_means
-from pagoda.core.outputs import RequestOutput, RequestTimes
+from pagoda.bench.serve.client import split_means
+from pagoda.core.outputs import AnswerDelta, RequestTimes
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from tests.helpers import drain, fake_engine
@@ -47,8 +47,8 @@ def _histograms(metrics: Metrics) -> dict[str, float]:
 
 def test_metrics_observe_the_split_when_a_request_finishes():
     times = RequestTimes(arrival=10.0, scheduled=10.5, first_token=11.25, finished=13.0)
-    outs = [RequestOutput("r", [7], "a", False, None, 5, 1),
-            RequestOutput("r", [8], "b", True, FinishReason.LENGTH, 5, 2, times=times)]
+    outs = [AnswerDelta("r", [7], "a", False, None, 5, 1),
+            AnswerDelta("r", [8], "b", True, FinishReason.LENGTH, 5, 2, times=times)]
 
     async def consume():
         async def gen():
@@ -79,8 +79,8 @@ def test_metrics_observe_the_hops_between_the_event_loop_and_the_engine_thread()
         async def gen():
             t0 = time.monotonic()  # after observe's own start: the handler submitted before this
             times = RequestTimes(arrival=t0 + 0.25, scheduled=t0 + 0.5, first_token=t0 - 1.0, finished=t0 + 2.0)
-            yield RequestOutput("r", [7], "a", False, None, 5, 1)
-            yield RequestOutput("r", [8], "b", True, FinishReason.LENGTH, 5, 2, times=times)
+            yield AnswerDelta("r", [7], "a", False, None, 5, 1)
+            yield AnswerDelta("r", [8], "b", True, FinishReason.LENGTH, 5, 2, times=times)
         return [o async for o in metrics.observe(gen(), AccessRecord())]
 
     metrics = Metrics()

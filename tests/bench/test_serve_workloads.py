@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.bench.serve_client import RequestRecord, request_body
-from pagoda.bench.serve_load import LevelRun
-from pagoda.bench.serve_report import latency_ms, meets_slo, summarize
-from pagoda.bench.serve_workloads import TOPICS, conversations, from_crowd, paragraphs, prompts_for, synthetic
+from pagoda.bench.serve.client import RequestRecord, ask_for, pagoda_endpoints, peer_endpoints
+from pagoda.bench.serve.load import LevelRun
+from pagoda.bench.serve.report import latency_ms, meets_slo, summarize
+from pagoda.bench.serve.workloads import TOPICS, conversations, from_crowd, paragraphs, prompts_for, synthetic
 from pagoda.simulator.crowd import crowd_to_json, mixed_crowd
 
 
@@ -43,11 +43,14 @@ def test_conversations_share_one_system_prompt():
 
 
 def test_the_body_fixes_the_output_length_for_every_server_kind():
-    body = request_body("completions", "m", "hi", 7, 0.0)
+    ours, peer = pagoda_endpoints(), peer_endpoints()
+    body = peer["completions"].client_request(ask_for("m", "hi", 7, 0.0))  # a peer: the same, and llama.cpp's field
     assert (body["max_tokens"], body["n_predict"], body["ignore_eos"], body["stream"]) == (7, 7, True, True)
     assert body["prompt"] == "hi" and body["stream_options"] == {"include_usage": True}
-    chat = request_body("chat", "m", [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], 3, 0.5)
-    assert [m["role"] for m in chat["messages"]] == ["system", "user"] and "prompt" not in chat
+    assert {k: v for k, v in body.items() if k != "n_predict"} == ours["completions"].client_request(
+        ask_for("m", "hi", 7, 0.0))
+    chat = peer["chat"].client_request(ask_for("m", "u", 3, 0.5, system="s", history=(("u0", "a0"),)))
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "user"] and "prompt" not in chat
 
 
 def record(ttft: float, gaps: list[float], tokens: int, ok: bool = True) -> RequestRecord:

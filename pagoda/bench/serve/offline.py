@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.bench.serve_client import RequestRecord
-from pagoda.bench.serve_load import LevelRun
-from pagoda.bench.serve_workloads import Prompt
+from pagoda.bench.serve.client import RequestRecord
+from pagoda.bench.serve.load import LevelRun
+from pagoda.bench.serve.workloads import Prompt
 from pagoda.core.sampling_params import SamplingParams
 
 SERVER = "offline"  # the records' and summaries' server name

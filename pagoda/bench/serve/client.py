@@ -1,15 +1,18 @@
-"""One streamed request to an OpenAI-compatible server, timed from the client's side, and the /metrics split.
+"""One request of `pagoda bench serve`, timed from the client's side, and the /metrics split.
 
-A token event is a stream chunk whose choice carries text: TTFT is the time to
-the first one, each later one adds an inter-token gap (a chunk holding several
-tokens is one gap, as a client sees it). The output token count comes from
-the stream's usage chunk where the server sends one, else the token events.
+Requests go through the endpoints' own client halves and `pagoda.plugins.client.send`, the one client stack:
+pagoda's registered endpoints for pagoda, and `OpenAICompatible` for a peer (llama-server, vLLM or any other
+OpenAI-compatible server), the same client halves with the fields such servers read besides (llama.cpp's
+`n_predict`). So both sides are measured by the same code.
+
+A token event is a stream event that carries text: TTFT is the time to the first one, each later one adds
+an inter-token gap (an event holding several tokens is one gap, as a client sees it). The output token count
+comes from the usage the server reports where it reports one, else the token events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,19 +20,49 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+from pagoda.plugins.client import ClientAnswer, ClientRequest, EndpointClient, send
+from pagoda.plugins.manager import load_plugins, registered_endpoints
+
+PROTOCOLS = ("completions", "chat")  # the endpoints a load may use, by the protocol names crowds use
 SPLIT = ("queue", "prefill", "decode")  # pagoda_request_{name}_seconds
 HOPS = ("handoff", "first_token_delivery")  # the same, where the server has them: event loop <-> engine thread
 
 
+class OpenAICompatible:
+    """A peer's endpoint: an OpenAI endpoint's client half, plus what other OpenAI-compatible servers read."""
+
+    def __init__(self, endpoint: EndpointClient) -> None:
+        self.endpoint = endpoint
+        self.path, self.stream_format = endpoint.path, endpoint.stream_format
+
+    def client_request(self, ask: ClientRequest) -> dict[str, Any]:
+        # llama.cpp's server reads `n_predict` (and `ignore_eos`, which the client half sends) beside max_tokens
+        return {**self.endpoint.client_request(ask), "n_predict": ask.max_tokens}
+
+    def client_answer(self) -> ClientAnswer:
+        return self.endpoint.client_answer()
+
+
+def pagoda_endpoints() -> dict[str, EndpointClient]:
+    """The client halves of pagoda's own completions and chat endpoints (its built-in plugins)."""
+    endpoints = registered_endpoints(load_plugins({"PAGODA_PLUGINS": "none"}))
+    return {name: endpoints[name] for name in PROTOCOLS}
+
+
+def peer_endpoints() -> dict[str, EndpointClient]:
+    """A peer's completions and chat, spoken as OpenAI's."""
+    return {name: OpenAICompatible(endpoint) for name, endpoint in pagoda_endpoints().items()}
+
+
 @dataclass
 class Target:
-    """One server under load: pagoda, or the peer it is compared with."""
+    """One server under load: pagoda, or the peer it is compared with, and the client halves that speak to it."""
 
     name: str  # "pagoda" | "peer"
     url: str
     model: str = "default"
     api_key: str | None = None
+    endpoints: dict[str, EndpointClient] = field(default_factory=pagoda_endpoints)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -65,62 +98,30 @@ class RequestRecord:
         return {**asdict(self), "tpot": self.tpot}
 
 
-def request_body(endpoint: str, model: str, text: str | list[dict[str, str]], max_tokens: int,
-                 temperature: float) -> dict[str, Any]:
-    """A streamed request with a fixed output length (`ignore_eos`; llama.cpp's server reads `n_predict`)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "n_predict": max_tokens, "ignore_eos": True,
-                            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
-    if endpoint == "completions":
-        body["prompt"] = text
-    else:
-        body["messages"] = [{"role": "user", "content": text}] if isinstance(text, str) else text
-    return body
+def ask_for(model: str, prompt: str, max_tokens: int, temperature: float, *, system: str | None = None,
+            history: tuple[tuple[str, str], ...] = ()) -> ClientRequest:
+    """A streamed request with a fixed output length (`ignore_eos` and max_tokens), as every server gets it."""
+    return ClientRequest(prompt=prompt, max_tokens=max_tokens, stream=True, temperature=temperature,
+                         ignore_eos=True, model=model, system=system, history=history)
 
 
-def _event_text(endpoint: str, data: dict[str, Any]) -> str:
-    choices = data.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    return (choice.get("text") if endpoint == "completions" else (choice.get("delta") or {}).get("content")) or ""
-
-
-async def stream_request(http: httpx.AsyncClient, target: Target, endpoint: str, body: dict[str, Any],
+async def stream_request(http: httpx.AsyncClient, target: Target, protocol: str, ask: ClientRequest,
                          record: RequestRecord, timeout: float) -> str:
-    """Send one request, read its stream to [DONE], fill `record`; returns the generated text."""
-    parts: list[str] = []
+    """Send one request through the target's client half, read its stream to the end, fill `record`; returns the
+    generated text."""
     started = time.perf_counter()
-    last = None
-    events = 0
+    events: list[float] = []  # when each event that carried text arrived
+    answer = target.endpoints[protocol].client_answer()
     try:
         async with asyncio.timeout(timeout):
-            async with http.stream("POST", target.url + PATHS[endpoint], json=body, headers=target.headers) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        break
-                    data = json.loads(payload)
-                    if "error" in data:
-                        raise RuntimeError(f"error event: {data['error']}")
-                    if usage := data.get("usage"):
-                        record.prompt_tokens = usage.get("prompt_tokens")
-                        record.output_tokens = usage.get("completion_tokens")
-                    if text := _event_text(endpoint, data):
-                        now = time.perf_counter()
-                        if last is None:
-                            record.ttft = now - started
-                        else:
-                            record.itl.append(now - last)
-                        last, events = now, events + 1
-                        parts.append(text)
-                else:
-                    raise RuntimeError("the stream ended without [DONE]")
+            await send(http, target.endpoints[protocol], ask, base_url=target.url, headers=target.headers,
+                       answer=answer, on_text=lambda: events.append(time.perf_counter()))
         record.e2e = time.perf_counter() - started
-        record.output_tokens = record.output_tokens or events
+        if events:
+            record.ttft = events[0] - started
+            record.itl = [b - a for a, b in zip(events, events[1:])]
+        record.prompt_tokens = answer.prompt_tokens
+        record.output_tokens = answer.output_tokens or len(events)
         record.ok = record.ttft is not None
         if not record.ok:
             record.error = "no token in the stream"
@@ -131,7 +132,7 @@ async def stream_request(http: httpx.AsyncClient, target: Target, endpoint: str,
         record.error = f"timed out after {timeout:g} s"
     except Exception as exc:  # the record says why; the run goes on
         record.error = f"{type(exc).__name__}: {exc}"
-    return "".join(parts)
+    return answer.text
 
 
 async def served_model(http: httpx.AsyncClient, target: Target) -> str:

@@ -11,16 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pagoda.bench.serve_workloads import Prompt
+from pagoda.bench.serve.workloads import Prompt
 
 
-def transformers_sequential(model_dir: str | Path, prompts: list[Prompt], threads: int | None = None) -> dict[str, Any]:
-    """Generate every prompt alone with transformers; returns {"server", "requests", "out_tok_per_s", ...}."""
+def transformers_sequential(model_dir: str | Path, prompts: list[Prompt]) -> dict[str, Any]:
+    """Generate every prompt alone with transformers, on the process's threads (pagoda.core.machine); returns
+    {"server", "requests", "out_tok_per_s", ...}."""
     import torch
     import transformers
 
-    if threads:
-        torch.set_num_threads(threads)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 

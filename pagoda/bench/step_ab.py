@@ -1,26 +1,37 @@
-"""Interleaved A/B of the CPU step: the working tree's model and attention against an earlier commit's, in one process.
+"""`pagoda bench step-ab`: the CPU step of the working tree's model and attention against an earlier commit's.
 
-Usage: python benchmarks/cpu_step_ab.py [--before REV] [--dtype float32,bfloat16] [--rows 1,16,64]
-       [--steps N] [--prefill N]   (docs/performance.md, "The CPU decode step")
+    pagoda bench step-ab [--before REV] [--dtype float32,bfloat16] [--rows 1,16,64] [--steps N] [--prefill N]
 
-"before" is `pagoda/model/llama.py` and the CPU attention modules (`pagoda/kernels/`) as of REV,
-loaded from git beside the current ones; both engines share the loaded weights and the matmul
-kernels. Engines of the two versions step in turn: decode steps at each row count (32-token
-prompts), and prefill steps of N prompts of 10-20 tokens arriving together (fresh prompts per
-repetition, the same for both). Prints median ms per step and the ratio before/after.
+"before" is `pagoda/model/llama.py` and the CPU attention modules (`pagoda/kernels/`) as of REV, loaded
+from git beside the current ones in this process; both engines share the loaded weights and the matmul
+kernels. The after engine's thread thresholds may be set (--after-small-rows, --after-small-attention: the
+runner's design note, pagoda/model/runner.py). Engines of the two versions step in turn (a shared, noisy machine then loads both alike): decode
+steps at each row count (32-token prompts), and prefill steps of N prompts of 10-20 tokens arriving
+together (fresh prompts per repetition, the same for both). Prints median ms per step and before/after.
 """
-import argparse, os, statistics, subprocess, sys, time, types  # noqa: E401
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what the `pagoda` command sets
-import torch  # noqa: E402
+from __future__ import annotations
 
-from pagoda.bench.offline import bench_config, make_prompts  # noqa: E402
-from pagoda.core.sampling_params import SamplingParams  # noqa: E402
-from pagoda.model.factory import make_engine  # noqa: E402
-from pagoda.model.hub import resolve_model  # noqa: E402
-from pagoda.model.loader import load_model  # noqa: E402
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Sequence
 
-# modules of the step that the "before" version replaces, in import order (later ones import earlier ones)
+import torch
+
+from pagoda.bench.offline import bench_config, make_prompts
+from pagoda.core.machine import STATE
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.model.factory import make_engine
+from pagoda.model.hub import resolve_model
+from pagoda.model.loader import load_model
+
+# modules of the step that the "before" version replaces, in import order (later ones import earlier ones);
+# a module not there at REV is skipped (kernels/cpu_threads.py is there only in older revisions)
 MODULES = ("pagoda/kernels/workspace.py", "pagoda/kernels/kv_cache.py", "pagoda/kernels/cpu_threads.py",
            "pagoda/kernels/cpu_plan.py", "pagoda/kernels/cpu_attention.py", "pagoda/model/llama.py")
 
@@ -32,7 +43,7 @@ def load_before(rev: str) -> dict[str, types.ModuleType]:
         try:
             src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
         except subprocess.CalledProcessError:
-            continue  # not there yet at REV
+            continue  # not there at REV
         for dep in MODULES:
             name = dep[:-3].replace("/", ".")
             if dep in [m.__file__ for m in mods.values()]:
@@ -97,21 +108,32 @@ def prefill(engines, vocab: int, prompts: int, reps: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--before", default="HEAD")
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pagoda bench step-ab", description=__doc__.split("\n")[0])
+    ap.add_argument("--before", default="HEAD", help="the git revision to compare with")
     ap.add_argument("--dtype", default="bfloat16,float32")
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prefill", type=int, default=16)
-    args = ap.parse_args()
+    ap.add_argument("--after-small-rows", type=int, metavar="ROWS",
+                    help="the after engine's runner: steps of at most ROWS rows run on one thread but for their linear"
+                         " layers (default: the runner's SMALL_ROWS; 0 = never)")
+    ap.add_argument("--after-small-attention", type=int, metavar="SCORES",
+                    help="the after engine's runner: attention of at most SCORES score elements runs on one thread"
+                         " (default: the runner's SMALL_ATTENTION; -1 = never)")
+    args = ap.parse_args(argv)
     before = load_before(args.before)
     model_dir = resolve_model("default", progress=False)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+    print(f"torch threads {torch.get_num_threads()}, OpenMP wait policy {STATE.wait_policy}, "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '-')}, load average {os.getloadavg()[0]:.2f}", flush=True)
     for dtype in args.dtype.split(","):
         engines, cfg = engines_for(model_dir, dtype, before, max(rows + [args.prefill]), 32 + 2 * args.steps + 8)
+        runner = engines["after"].runner
+        if args.after_small_rows is not None:
+            runner.small_rows = args.after_small_rows
+        if args.after_small_attention is not None:
+            runner.small_attention = args.after_small_attention
         cases = [(f"decode {n:3d} rows", lambda n=n: decode(engines, cfg.vocab_size, n, args.steps)) for n in rows]
         if args.prefill:
             cases.append((f"prefill {args.prefill} prompts", lambda: prefill(engines, cfg.vocab_size, args.prefill,
@@ -121,7 +143,4 @@ def main() -> None:
             print(f"{dtype:8s} {label:18s} before {med['before'] * 1e3:7.1f} ms  after {med['after'] * 1e3:7.1f} ms  "
                   f"before/after {med['before'] / med['after']:.2f}x  [load {os.getloadavg()[0]:.2f}]", flush=True)
         del engines
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,17 +1,4 @@
-"""`pagoda bench serve`: load an OpenAI-compatible server over HTTP and measure what its clients see.
-
-    target   --url (a running server), or a pagoda started here (`pagoda serve --port 0`, a child
-             process); --peer-url runs the same load against a second server, for pagoda / peer ratios;
-             --offline-baseline the same load on the same engine without HTTP (serve_offline)
-    load     closed-loop concurrency levels (--concurrency 1,4,16), or open-loop Poisson rates
-             (--request-rate 2,8), or the chat workload's conversations (one level)
-    measure  per request TTFT, inter-token gaps, TPOT, end to end (serve_client); per level
-             percentiles, req/s, output tok/s, goodput under --slo-*; and for a pagoda, the
-             server's own queue / prefill / decode split, from /metrics scraped around each level
-
-Requests stream with a fixed output length (ignore_eos + max_tokens), so two
-servers generate the same number of tokens for the same load.
-"""
+"""`pagoda bench serve`: the command, and its sweep of every level against every server in turn."""
 
 from __future__ import annotations
 
@@ -24,16 +11,19 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench import serve_load as load
-from pagoda.bench.serve_baseline import baseline_lines, transformers_sequential
-from pagoda.bench.serve_client import Target, scrape_split, served_model, split_means
-from pagoda.bench.serve_offline import SERVER as OFFLINE, OfflineEngine, offline_engine
-from pagoda.bench.serve_offline import closed_loop as offline_loop, paired_lines, paired_ratios
-from pagoda.bench.serve_peer import peer_process
-from pagoda.bench.serve_report import summarize, table, turn_table, write_json, write_plots
-from pagoda.bench.serve_server import pagoda_subprocess, serve_command
-from pagoda.bench.serve_workloads import WORKLOADS, Conversation, Prompt, conversations, prompts_for
+from pagoda.bench.serve import load
+from pagoda.bench.serve.baseline import baseline_lines, transformers_sequential
+from pagoda.bench.serve.client import Target, peer_endpoints, scrape_split, served_model, split_means
+from pagoda.bench.serve.offline import SERVER as OFFLINE, OfflineEngine, offline_engine
+from pagoda.bench.serve.offline import closed_loop as offline_loop, paired_lines, paired_ratios
+from pagoda.bench.serve.peer import peer_process
+from pagoda.bench.serve.report import summarize, table, turn_table, write_json, write_plots
+from pagoda.bench.serve.server import pagoda_subprocess, serve_command
+from pagoda.bench.serve.workloads import WORKLOADS, Conversation, Prompt, conversations, prompts_for
 from pagoda.model.hub import resolve_model
+
+
+DESCRIPTION = "load an OpenAI-compatible server over HTTP and measure what its clients see"
 
 
 def _numbers(text: str) -> list[float]:
@@ -44,7 +34,7 @@ def _numbers(text: str) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagoda bench serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="pagoda bench serve", description=DESCRIPTION)
     g = p.add_argument_group("servers")
     g.add_argument("--url", help="a running server (default: start a pagoda here)")
     g.add_argument("--peer-url", help="a second server given the same load; the table adds pagoda / peer ratios")
@@ -135,7 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stack.enter_context(peer_process(args.peer_command, args.peer_url, args.server_ready_timeout))
             targets = [Target("pagoda", url.rstrip("/"), api_key=args.api_key)]
             if args.peer_url:
-                targets.append(Target("peer", args.peer_url.rstrip("/"), api_key=args.peer_api_key))
+                targets.append(Target("peer", args.peer_url.rstrip("/"), api_key=args.peer_api_key,
+                                      endpoints=peer_endpoints()))
             offline = offline_engine(args.model, dtype=args.dtype, quantization=args.quantization,
                                      max_running=args.max_running, prompts=prompts,
                                      max_concurrency=int(max(args.concurrency))) if args.offline_baseline else None

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from pagoda.bench.serve_server import stop_child
+from pagoda.bench.serve.server import stop_child
 
 
 @contextmanager

@@ -2,16 +2,17 @@
 # Build llama.cpp's llama-server as the peer for `pagoda bench serve --peer-url`.
 #
 # The sources are the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI, so the build needs
-# only pip's index (no git clone, no curl at run time). The binary lands in benchmarks/llama.cpp/bin/
-# (ignored by git). It took 47 minutes here, on 2 cores shared with other work; not part of `make test`.
+# only pip's index (no git clone, no curl at run time). The binary lands in .peers/llama.cpp/bin/ at the
+# repository's root (ignored by git). It took 47 minutes here, on 2 cores shared with other work; not part
+# of `make test`.
 #
-#   nice -n 19 benchmarks/build_llama_server.sh   # JOBS=2 by default
-#   JOBS=4 benchmarks/build_llama_server.sh
+#   nice -n 19 pagoda/bench/build_llama_server.sh   # JOBS=2 by default
+#   JOBS=4 pagoda/bench/build_llama_server.sh
 set -euo pipefail
 
-here="$(cd "$(dirname "$0")" && pwd)"
-root="$here/llama.cpp"
-python="${PYTHON:-$here/../.venv/bin/python}"
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+root="$repo/.peers/llama.cpp"
+python="${PYTHON:-$repo/.venv/bin/python}"
 jobs="${JOBS:-2}"
 mkdir -p "$root/src" "$root/bin"
 

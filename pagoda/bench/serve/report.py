@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from pagoda.bench.serve_client import RequestRecord
-from pagoda.bench.serve_load import LevelRun
+from pagoda.bench.serve.client import RequestRecord
+from pagoda.bench.serve.load import LevelRun
 
 # Columns of the table: (title, summary key, stat) where stat picks from a latency summary.
 COLUMNS = (("req/s", "req_per_s", None), ("out tok/s", "out_tok_per_s", None),

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from pagoda.bench.serve_client import RequestRecord, Target, request_body, stream_request
-from pagoda.bench.serve_workloads import Conversation, Prompt
+from pagoda.bench.serve.client import RequestRecord, Target, ask_for, stream_request
+from pagoda.bench.serve.workloads import Conversation, Prompt
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,12 @@ class _Level:
         self.run = LevelRun()
         self.bar = tqdm(total=total, desc=f"{target.name} {label}", leave=False, disable=not cfg.progress)
 
-    async def send(self, index: int, endpoint: str, content, max_tokens: int, **where: int) -> tuple[RequestRecord, str]:
+    async def send(self, index: int, endpoint: str, prompt: str, max_tokens: int, *, system: str | None = None,
+                   history: tuple[tuple[str, str], ...] = (), **where: int) -> tuple[RequestRecord, str]:
         record = RequestRecord(self.target.name, self.level, index, start=self.loop.time() - self.t0, **where)
         self.run.records.append(record)
-        body = request_body(endpoint, self.target.model, content, max_tokens, self.cfg.temperature)
-        text = await stream_request(self.http, self.target, endpoint, body, record, self.cfg.request_timeout)
+        ask = ask_for(self.target.model, prompt, max_tokens, self.cfg.temperature, system=system, history=history)
+        text = await stream_request(self.http, self.target, endpoint, ask, record, self.cfg.request_timeout)
         self.run.duration = max(self.run.duration, self.loop.time() - self.t0)
         self.bar.update(1)
         return record, text
@@ -130,14 +131,13 @@ async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: 
     level = _Level(http, target, cfg, len(convs), total, f"conversations={len(convs)}")
 
     async def conversation(c: int, conv: Conversation) -> None:
-        history = [{"role": "system", "content": conv.system}]
+        history: tuple[tuple[str, str], ...] = ()  # (user message, answer) of each earlier turn
         for turn, user in enumerate(conv.user_turns):
-            history.append({"role": "user", "content": user})
-            record, text = await level.send(c * len(conv.user_turns) + turn, "chat", list(history), max_tokens,
-                                            conversation=c, turn=turn)
+            record, text = await level.send(c * len(conv.user_turns) + turn, "chat", user, max_tokens,
+                                            system=conv.system, history=history, conversation=c, turn=turn)
             if not record.ok:
                 return  # a conversation whose turn failed has no history to go on with
-            history.append({"role": "assistant", "content": text})
+            history += ((user, text),)
 
     return await level.until(deadline, asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(convs))))
 
@@ -145,6 +145,6 @@ async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: 
 async def warm_up(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompt: Prompt) -> RequestRecord:
     """One short request before any level, not recorded: first-request costs stay out of the numbers."""
     record = RequestRecord(target.name, 0, -1, 0.0)
-    body = request_body(cfg.endpoint, target.model, prompt.text, min(prompt.max_tokens, 8), cfg.temperature)
-    await stream_request(http, target, cfg.endpoint, body, record, cfg.request_timeout)
+    ask = ask_for(target.model, prompt.text, min(prompt.max_tokens, 8), cfg.temperature)
+    await stream_request(http, target, cfg.endpoint, ask, record, cfg.request_timeout)
     return record

@@ -2,9 +2,9 @@
 # GPU check for the attention kernels: the CUDA kernel tests (pytest -m gpu) and the kernel benchmark.
 # Needs no network: it uses the first python that imports torch (./.venv, then python3, python).
 # Results go to "$OUT" if set, else ./out: env.txt, gpu_tests.txt/.xml, bench_kernels.md/.json.
-# Usage: bash benchmarks/gpu_check.sh        (from anywhere; runs in the repository root)
+# Usage: bash pagoda/bench/gpu_check.sh        (from anywhere; runs in the repository root)
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR="${OUT:-./out}"
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
