@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagoda.plugins.protocol import DEFAULT_LIMITS, RequestLimits
+from pagoda.plugins.request_fields import DEFAULT_LIMITS, RequestLimits
 
 
 @dataclass(frozen=True)
 class ServeSettings:
+    host: str = "127.0.0.1"  # where `pagoda serve` listens
+    port: int = 8000  # 0 = a port the kernel picks (printed)
+    log_level: str = "info"
+    disabled_plugins: tuple[str, ...] = ()  # plugins left out (--disable-plugin; also PAGODA_DISABLE_PLUGINS)
     served_model_name: str = "default"  # the model name responses report and /v1/models lists
     api_key: str | None = None  # None = no key needed
     disconnect_policy: str = "abort"  # a registered DisconnectPolicy's name
-    tool_parser: str = "hermes"  # a registered ToolParser's name: the model's tool-call syntax
+    tool_parser: str | None = "hermes"  # a registered ToolParser's name: the model's tool-call syntax; None = no tools
     send_stall_timeout: float = 2.0  # seconds a stream may make no write progress before its client counts as gone
     send_buffer_size: int | None = None  # bytes of SO_SNDBUF per connection; None = the kernel's autotuning
     health_timeout: float = 10.0  # seconds a step may run before /health calls the engine loop stuck (503)
@@ -28,14 +32,16 @@ class ServeSettings:
     request_limits: RequestLimits = DEFAULT_LIMITS  # stop strings, logprobs, max_tokens of one request
 
     def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port!r}")
         if not isinstance(self.served_model_name, str) or not self.served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if not isinstance(self.disconnect_policy, str) or not self.disconnect_policy:
             raise ValueError("disconnect_policy must be a non-empty string")
-        if not isinstance(self.tool_parser, str) or not self.tool_parser:
-            raise ValueError("tool_parser must be a non-empty string")
+        if self.tool_parser is not None and (not isinstance(self.tool_parser, str) or not self.tool_parser):
+            raise ValueError("tool_parser must be a non-empty string or None")
         if not self.send_stall_timeout > 0:
             raise ValueError(f"send_stall_timeout must be > 0 seconds, got {self.send_stall_timeout}")
         if self.send_buffer_size is not None and (not isinstance(self.send_buffer_size, int)

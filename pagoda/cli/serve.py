@@ -1,4 +1,9 @@
-"""`pagoda serve`: the HTTP server (OpenAI and Anthropic protocols, plus any plugin's)."""
+"""`pagoda serve`: the HTTP server (OpenAI and Anthropic protocols, plus any plugin's).
+
+Every option reaches what it configures through two functions, `engine_options` (the model and the engine:
+EngineOptions, then EngineConfig in pagoda.model.factory) and `serve_settings` (the HTTP server: ServeSettings),
+so that a test can check each flag's way without loading a model (tests/cli/test_serve.py).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,15 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 from pagoda.api.settings import ServeSettings
+from pagoda.cli.plugins import add_disable_option
 from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
-from pagoda.plugins.protocol import RequestLimits
+from pagoda.model.factory import EngineOptions, generation_defaults
+from pagoda.plugins.request_fields import RequestLimits
 
 API_KEY_ENV = "PAGODA_API_KEY"
 
@@ -36,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--disconnect-policy", default="abort", help="what to do with a request whose client left")
     p.add_argument("--tool-parser", default=ServeSettings.tool_parser,
-                   help="the model's tool-call syntax: a registered tool parser (built in: hermes, llama3_json)")
+                   help="the model's tool-call syntax: a registered tool parser (built in: hermes, llama3_json);"
+                        " 'none' refuses requests with tools")
     p.add_argument("--send-stall-timeout", type=float, default=2.0,
                    help="seconds a stream may make no write progress before its client counts as gone")
     p.add_argument("--send-buffer-size", type=int, default=None, metavar="BYTES",
@@ -67,57 +77,69 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="top alternatives per token one request may ask for (at most 20)")
     g.add_argument("--max-output-tokens", type=int, default=limits.max_tokens, metavar="N",
                    help="output tokens one request may ask for (default: whatever fits the context)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default=ServeSettings.log_level, choices=("debug", "info", "warning", "error"))
     add_speculative_option(p)
+    add_disable_option(p)
     p.set_defaults(func=run)
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The model and engine options the command line gives (pagoda.model.factory builds the engine from them)."""
+    return EngineOptions(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                         block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
+                         max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
+                         enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
+                         speculative=args.speculative)
+
+
+def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
+    """What the HTTP server is told, for the model in `model_dir` (its name and generation defaults)."""
+    environ = os.environ if environ is None else environ
+    names = args.served_model_name or [args.model if args.model == "default" else Path(model_dir).name]
+    limits = RequestLimits(max_stop=args.max_stop_strings, max_stop_length=args.max_stop_length,
+                           max_logprobs=args.max_logprobs, max_tokens=args.max_output_tokens)
+    return ServeSettings(
+        host=args.host, port=args.port, log_level=args.log_level, disabled_plugins=tuple(args.disable_plugin),
+        served_model_name=names[0], served_model_aliases=tuple(names[1:]),
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+        disconnect_policy=args.disconnect_policy,
+        tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
+        send_stall_timeout=args.send_stall_timeout, send_buffer_size=args.send_buffer_size,
+        max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+        shutdown_timeout=args.shutdown_timeout, allowed_origins=tuple(args.allowed_origins), request_limits=limits,
+        generation_defaults=generation_defaults(model_dir) if args.generation_config == "auto" else {})
 
 
 def run(args: argparse.Namespace) -> int:
     from pagoda.api.app import create_app
-    from pagoda.model.factory import EngineOptions, build_engine
-    from pagoda.api.server import run_server
     from pagoda.api.drain import drain
-    from pagoda.model.factory import generation_defaults
+    from pagoda.api.server import run_server
     from pagoda.core.async_engine import AsyncEngine
+    from pagoda.model.factory import build_engine
     from pagoda.plugins.manager import PluginError, load_plugins
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        options = EngineOptions(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                                block_size=args.block_size,
-                                num_blocks=args.num_blocks, max_running=args.max_running,
-                                max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
-                                enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
-                                speculative=args.speculative)
-        plugins = load_plugins()
+        options = engine_options(args)
+        plugins = load_plugins(disabled=args.disable_plugin)
         engine, tokenizer, model_dir = build_engine(options)
-        names = args.served_model_name or [args.model if args.model == "default" else model_dir.name]
-        name = names[0]
-        request_limits = RequestLimits(max_stop=args.max_stop_strings, max_stop_length=args.max_stop_length,
-                                       max_logprobs=args.max_logprobs, max_tokens=args.max_output_tokens)
-        settings = ServeSettings(served_model_name=name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                                 disconnect_policy=args.disconnect_policy, tool_parser=args.tool_parser,
-                                 send_stall_timeout=args.send_stall_timeout,
-                                 send_buffer_size=args.send_buffer_size, max_body_bytes=args.max_body_bytes,
-                                 max_header_bytes=args.max_header_bytes, shutdown_timeout=args.shutdown_timeout,
-                                 served_model_aliases=tuple(names[1:]), allowed_origins=tuple(args.allowed_origins),
-                                 request_limits=request_limits,
-                                 generation_defaults=generation_defaults(model_dir)
-                                 if args.generation_config == "auto" else {})
+        settings = serve_settings(args, model_dir)
         async_engine = AsyncEngine(engine)
         app = create_app(async_engine, tokenizer, plugins, settings)
     except (ValueError, FileNotFoundError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
+    # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read
+    print(f"pagoda serve: speculative decoding {engine.speculation.reason}", file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
-        print(f"pagoda serving {name!r} at {url}", flush=True)
+        print(f"pagoda serving {settings.served_model_name!r} at {url}", flush=True)
 
     services = app.state.services
 
     async def drain_server() -> None:
         await drain(services.drain, async_engine, settings.shutdown_timeout)
 
-    run_server(app, args.host, args.port, ready, send_buffer=settings.send_buffer_size, drain=drain_server,
-               log_level=args.log_level)
+    run_server(app, settings.host, settings.port, ready, send_buffer=settings.send_buffer_size, drain=drain_server,
+               log_level=settings.log_level)
     return 0

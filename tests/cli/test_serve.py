@@ -1,0 +1,151 @@
+"""Every `pagoda serve` option reaches what it configures: parsed, then built into the settings and the engine
+config exactly as `serve` builds them (no model is loaded). An option without a row here fails the test."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from pagoda.api.settings import ServeSettings
+from pagoda.cli.main import build_parser
+from pagoda.cli.serve import engine_options, serve_settings
+from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
+from pagoda.model.config import named_config
+from pagoda.model.factory import EngineOptions, engine_config
+
+
+@dataclass
+class Built:
+    """What one command line becomes."""
+
+    options: EngineOptions
+    settings: ServeSettings
+    config: EngineConfig
+
+
+def build(argv: list[str], model_dir: Path, environ: dict[str, str] | None = None) -> Built:
+    args = build_parser().parse_args(["serve", *argv])
+    options = engine_options(args)
+    config = engine_config(options, named_config("tiny"), torch.float32, torch.device("cpu"))
+    return Built(options, serve_settings(args, model_dir, environ or {}), config)
+
+
+# option -> (its arguments, what must hold of what they built)
+ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
+    "--model": (["--model", "/models/m"], lambda b: b.options.model == "/models/m"),
+    "--host": (["--host", "::1"], lambda b: b.settings.host == "::1"),
+    "--port": (["--port", "0"], lambda b: b.settings.port == 0),
+    "--device": (["--device", "cpu"], lambda b: b.options.device == "cpu"),
+    "--dtype": (["--dtype", "bfloat16"], lambda b: b.options.dtype == "bfloat16"),
+    "--quantization": (["--quantization", "int8"], lambda b: b.options.quantization == "int8"),
+    "--block-size": (["--block-size", "32"], lambda b: b.config.block_size == 32),
+    "--num-blocks": (["--num-blocks", "77"], lambda b: b.config.num_blocks == 77),
+    "--max-running": (["--max-running", "5"], lambda b: b.config.max_running == 5),
+    "--max-batched-tokens": (["--max-batched-tokens", "123"], lambda b: b.config.max_batched_tokens == 123),
+    "--max-model-len": (["--max-model-len", "100"], lambda b: b.config.max_model_len == 100),
+    "--no-prefix-caching": (["--no-prefix-caching"], lambda b: b.config.enable_prefix_caching is False),
+    "--api-key": (["--api-key", "sekret"], lambda b: b.settings.api_key == "sekret"),
+    "--disconnect-policy": (["--disconnect-policy", "finish"], lambda b: b.settings.disconnect_policy == "finish"),
+    "--tool-parser": (["--tool-parser", "llama3_json"], lambda b: b.settings.tool_parser == "llama3_json"),
+    "--send-stall-timeout": (["--send-stall-timeout", "3.5"], lambda b: b.settings.send_stall_timeout == 3.5),
+    "--send-buffer-size": (["--send-buffer-size", "4096"], lambda b: b.settings.send_buffer_size == 4096),
+    "--max-waiting": (["--max-waiting", "9"], lambda b: b.config.max_waiting == 9),
+    "--max-body-bytes": (["--max-body-bytes", "1000"], lambda b: b.settings.max_body_bytes == 1000),
+    "--max-header-bytes": (["--max-header-bytes", "2000"], lambda b: b.settings.max_header_bytes == 2000),
+    "--generation-config": (["--generation-config", "none"], lambda b: b.settings.generation_defaults == {}),
+    "--shutdown-timeout": (["--shutdown-timeout", "7"], lambda b: b.settings.shutdown_timeout == 7),
+    "--served-model-name": (["--served-model-name", "a", "b"],
+                            lambda b: (b.settings.served_model_name, b.settings.served_model_aliases) == ("a", ("b",))),
+    "--allowed-origins": (["--allowed-origins", "https://x.example"],
+                          lambda b: b.settings.allowed_origins == ("https://x.example",)),
+    "--max-stop-strings": (["--max-stop-strings", "3"], lambda b: b.settings.request_limits.max_stop == 3),
+    "--max-stop-length": (["--max-stop-length", "40"], lambda b: b.settings.request_limits.max_stop_length == 40),
+    "--max-logprobs": (["--max-logprobs", "5"], lambda b: b.settings.request_limits.max_logprobs == 5),
+    "--max-output-tokens": (["--max-output-tokens", "64"], lambda b: b.settings.request_limits.max_tokens == 64),
+    "--log-level": (["--log-level", "warning"], lambda b: b.settings.log_level == "warning"),
+    "--speculative-config": (["--speculative-config", '{"num_speculative_tokens": 2, "max_extra_rows": 4}'],
+                             lambda b: b.config.speculative == SpeculativeConfig(num_speculative_tokens=2,
+                                                                                 max_extra_rows=4)),
+    "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
+                         lambda b: b.settings.disabled_plugins == ("tokenize", "chat_page")),
+}
+
+
+def serve_options() -> set[str]:
+    """Every long option `pagoda serve` takes (its parser's own, --help aside)."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    parser = sub.choices["serve"]
+    return {s for action in parser._actions for s in action.option_strings if s.startswith("--")} - {"--help"}
+
+
+def test_every_option_has_a_row():
+    assert serve_options() == set(ROWS)
+
+
+@pytest.mark.parametrize("option", sorted(ROWS))
+def test_the_option_lands_where_it_belongs(option, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))  # a model that has defaults
+    argv, holds = ROWS[option]
+    default = build([], tmp_path)
+    assert not holds(default), f"{option}: the row's check already holds without the option"  # the row can fail
+    assert holds(build(argv, tmp_path)), f"{option} {argv} did not reach what it configures"
+
+
+def test_the_defaults_are_the_engine_configs_and_the_settings(tmp_path):
+    built = build([], tmp_path)
+    engine, settings = EngineConfig(), ServeSettings()
+    for name in ("block_size", "max_running", "max_batched_tokens", "enable_prefix_caching", "max_waiting",
+                 "speculative"):
+        assert getattr(built.config, name) == getattr(engine, name), name
+    for name in ("host", "port", "log_level", "disconnect_policy", "tool_parser", "send_stall_timeout",
+                 "max_body_bytes", "max_header_bytes", "shutdown_timeout", "request_limits", "disabled_plugins"):
+        assert getattr(built.settings, name) == getattr(settings, name), name
+
+
+def test_the_key_comes_from_the_environment_and_the_tool_parser_may_be_none(tmp_path):
+    assert build([], tmp_path, {"PAGODA_API_KEY": "from-env"}).settings.api_key == "from-env"
+    assert build(["--tool-parser", "none"], tmp_path).settings.tool_parser is None
+
+
+def test_the_generation_defaults_come_from_the_model_unless_turned_off(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    assert build([], tmp_path).settings.generation_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert build(["--generation-config", "none"], tmp_path).settings.generation_defaults == {}
+    assert build([], tmp_path).settings.served_model_name == "default"
+    assert build(["--model", str(tmp_path)], tmp_path).settings.served_model_name == tmp_path.name
+
+
+@pytest.mark.slow
+def test_serve_states_the_speculation_in_force_at_start_up_and_in_health(tiny_model_dir):
+    """A real `pagoda serve` child on an ephemeral port: what it prints before it listens, what /health says."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from pagoda.bench.serve.server import READY, stop_child
+
+    cmd = [sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_model_dir), "--port", "0", "--dtype",
+           "float32", "--num-blocks", "64", "--log-level", "warning"]
+    log = open(tiny_model_dir.parent / "serve.log", "w+")
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        lines = []
+        for line in child.stdout:  # ends when the child exits; the ready line ends the wait
+            lines.append(line)
+            if READY.search(line):
+                break
+        assert READY.match(lines[0]), lines  # stdout's first line is still the URL (the contract)
+        log.seek(0)
+        said = log.read()  # stderr, written before the server listened
+        assert "pagoda serve: speculative decoding on: ngram" in said, said
+        url = READY.search(lines[-1]).group(1)
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["speculation"]["active"] is True and health["speculation"]["reason"] in said
+    finally:
+        stop_child(child, log)
