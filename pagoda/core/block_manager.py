@@ -22,19 +22,17 @@ This module is bookkeeping only: it never sees a tensor.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagoda.core import block_hash as hashing
-from pagoda.core.block_audit import AuditError, LedgerAudit
-
-__all__ = ["AuditError", "BlockManager"]
+from pagoda.core.block_audit import BlockKey, LedgerAudit
 
 if TYPE_CHECKING:
     from pagoda.core.request import Request
 
 
-class BlockManager(LedgerAudit):
+class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -49,11 +47,46 @@ class BlockManager(LedgerAudit):
         self._tables: dict[str, list[int]] = {}
         self._cached: dict[int, int] = {}  # hash -> the one block registered under it
         self._hash_of: list[int | None] = [None] * num_blocks
-        self._key_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (parent hash, tokens)
+        self._key_of: list[BlockKey | None] = [None] * num_blocks  # (parent hash, tokens)
         self._num_offered: dict[str, int] = {}  # request -> leading table blocks already offered to the cache
-        # hash -> the (parent hash, tokens) key object the audit last hashed to it: an unchanged key
-        # (the same immutable tuple) need not be hashed again on every audit
-        self._audited_keys: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._audit = LedgerAudit(self)  # pagoda/core/block_audit.py: the one place the invariants are checked
+
+    # -- the audit, and what it reads (views, not copies: never changed through them) ----------
+    def audit(self, computed_tokens: Mapping[str, int], token_ids: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Check every ledger and cache invariant; raises AuditError naming the first that fails.
+
+        `computed_tokens` maps each live request to its computed tokens; `token_ids`, when given,
+        maps live requests to their tokens, against which the cached blocks they hold are checked.
+        """
+        self._audit.check(computed_tokens, token_ids)
+
+    @property
+    def free_block_ids(self) -> Sequence[int]:
+        return self._free
+
+    @property
+    def cached_free_block_ids(self) -> Collection[int]:
+        return self._cached_free.keys()
+
+    @property
+    def ref_counts(self) -> Sequence[int]:
+        return self._ref_counts
+
+    @property
+    def tables(self) -> Mapping[str, Sequence[int]]:
+        return self._tables
+
+    @property
+    def cached_blocks(self) -> Mapping[int, int]:
+        return self._cached
+
+    @property
+    def block_hashes(self) -> Sequence[int | None]:
+        return self._hash_of
+
+    @property
+    def block_keys(self) -> Sequence[BlockKey | None]:
+        return self._key_of
 
     # -- counters --------------------------------------------------------
     @property

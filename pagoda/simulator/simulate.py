@@ -13,7 +13,7 @@ import heapq
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from pagoda.core.block_manager import AuditError
+from pagoda.core.block_audit import AuditError
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.engine import Engine
 from pagoda.core.request import FinishReason

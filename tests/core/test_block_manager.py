@@ -1,7 +1,8 @@
 import pytest
 
 from pagoda.core import block_hash
-from pagoda.core.block_manager import AuditError, BlockManager
+from pagoda.core.block_audit import AuditError
+from pagoda.core.block_manager import BlockManager
 from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 
