@@ -18,6 +18,7 @@ BENCHMARKS = {
     "step-ab": "pagoda.bench.step_ab",
     "weight-formats": "pagoda.bench.weight_formats",
     "speculative": "pagoda.bench.speculative",
+    "roofline": "pagoda.bench.roofline",
 }
 
 
