@@ -83,8 +83,9 @@ def model_linears(model) -> list[tuple[str, torch.nn.Module | None, int, int]]:
 def gemm_rate(model, rows: int = GEMM_ROWS) -> float:
     """FLOPs per second of the format's own products over the model's shapes at `rows` rows."""
     total_flops, total_s = 0, 0.0
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' (float32 around bfloat16 or int weights)
     for _, module, k, n in model_linears(model):
-        x = torch.randn(rows, k)
+        x = torch.randn(rows, k, dtype=dtype)
         fn = (lambda: model.compute_logits(x)) if module is None else (lambda m=module: m(x))
         with torch.inference_mode():
             total_s += median_seconds(fn, reps=5)
