@@ -69,3 +69,50 @@ def test_percentiles_tpot_and_goodput():
     s = summarize("pagoda", "concurrency", 1, run, None, slo_ttft_ms=500)
     assert (s["ok"], s["failed"], s["req_per_s"], s["out_tok_per_s"], s["goodput_req_per_s"]) == (2, 1, 1.0, 3.0, 0.5)
     assert s["itl_ms"]["n"] == 4 and s["server_split_ms"] is None
+
+
+def test_a_request_the_peer_drops_unanswered_is_sent_once_more_and_no_more():
+    """A server that closes the connection, unanswered, on the first `drops` requests (as llama-server sometimes
+    does with a kept-alive connection): one retry, then the error is the record's."""
+    import asyncio
+
+    import httpx
+
+    from pagoda.bench.serve.client import Target, peer_endpoints, stream_request
+
+    chunk = ('{"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length"}],'
+             ' "usage": {"prompt_tokens": 3, "completion_tokens": 1}}')
+    body = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+
+    async def run(drops: int) -> RequestRecord:
+        seen = [0]
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            seen[0] += 1
+            if seen[0] > drops:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            target = Target("peer", f"http://127.0.0.1:{port}", endpoints=peer_endpoints())
+            record = RequestRecord("peer", 1, 0, 0.0)
+            async with httpx.AsyncClient(trust_env=False) as http:
+                await stream_request(http, target, "chat", ask_for("m", "hi", 1, 0.0), record, timeout=30)
+            record.conversation = seen[0]  # how many requests the server saw
+            return record
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    once = asyncio.run(run(drops=1))
+    assert once.ok and once.output_tokens == 1 and once.conversation == 2
+    twice = asyncio.run(run(drops=2))
+    assert not twice.ok and "RemoteProtocolError" in twice.error and twice.conversation == 2
