@@ -57,7 +57,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     config = async_engine.engine.config
     context = ServeContext(tokenizer=tokenizer, model_name=settings.served_model_name,
                            max_model_len=config.max_model_len, max_kv_tokens=config.num_slots,
-                           limits=settings.request_limits, tool_parser=parsers[settings.tool_parser] if settings.tool_parser else None)
+                           limits=settings.request_limits,
+                           tool_parser=parsers[settings.tool_parser] if settings.tool_parser else None)
     metrics = Metrics()
     services = Services(engine=async_engine, context=context, metrics=metrics,
                         policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout,

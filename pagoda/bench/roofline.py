@@ -21,11 +21,11 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from pagoda.bench.kernels import measure_copy_bandwidth
+from pagoda.bench.kernels import measure_copy_bandwidth, time_call
 from pagoda.bench.offline import bench_config, make_prompts
 from pagoda.bench.weight_formats import FORMATS, load
 from pagoda.core.machine import STATE
@@ -35,23 +35,14 @@ from pagoda.model.hub import resolve_model
 from pagoda.model.loader import weight_format
 
 CONTEXT = 32  # prompt tokens of every decoding request
+CPU = torch.device("cpu")
 GEMM_ROWS = 256
-
-
-def median_seconds(fn: Callable[[], object], reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def read_bandwidth(nbytes: int = 256 << 20) -> float:
     """Bytes per second of a sum over `nbytes` of touched memory (untouched pages would read as cache)."""
     x = torch.rand(nbytes // 4)
-    return nbytes / median_seconds(lambda: x.sum())
+    return nbytes / time_call(lambda: x.sum(), CPU, reps=7)
 
 
 def int_mm_rate(shapes: Sequence[tuple[int, int]], rows: int = 64) -> float | None:
@@ -63,7 +54,7 @@ def int_mm_rate(shapes: Sequence[tuple[int, int]], rows: int = 64) -> float | No
         a = torch.randint(-128, 127, (rows, k), dtype=torch.int8)
         b = torch.randint(-128, 127, (k, n), dtype=torch.int8)
         try:
-            total_s += median_seconds(lambda: torch._int_mm(a, b), reps=3)
+            total_s += time_call(lambda: torch._int_mm(a, b), CPU, reps=3)
         except RuntimeError:
             return None
         total_ops += 2 * rows * k * n
@@ -88,7 +79,7 @@ def gemm_rate(model, rows: int = GEMM_ROWS) -> float:
         x = torch.randn(rows, k, dtype=dtype)
         fn = (lambda: model.compute_logits(x)) if module is None else (lambda m=module: m(x))
         with torch.inference_mode():
-            total_s += median_seconds(fn, reps=5)
+            total_s += time_call(fn, CPU, reps=5)
         total_flops += 2 * rows * k * n
     return total_flops / total_s
 
@@ -135,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
     model_dir = resolve_model(args.model, progress=False)
-    copy_bw, read_bw = measure_copy_bandwidth(torch.device("cpu"), 256 << 20), read_bandwidth()
+    copy_bw, read_bw = measure_copy_bandwidth(CPU, 256 << 20), read_bandwidth()
     result: dict = {"threads": torch.get_num_threads(), "wait_policy": STATE.wait_policy,
                     "copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "formats": {}}
     print(f"{torch.get_num_threads()} threads, OpenMP wait policy {STATE.wait_policy}: copy {copy_bw / 1e9:.1f} GB/s,"

@@ -17,8 +17,9 @@ things about it are process-wide and are chosen here, nowhere else:
   inherits the user's environment, not pagoda's. An OMP_WAIT_POLICY the user set wins.
 - The thread count. `configure_threads()` sets torch's intra-op threads once, where an engine is
   assembled (pagoda/model/factory.py, and `pagoda simulate` for its fake model, whose tensors are so
-  small that one thread is fastest). The one switch left inside a step, small steps' attention on one
-  thread, is the runner's (pagoda/model/runner.py), with its measurement.
+  small that one thread is fastest). The switching left inside a step (a small step on one thread but
+  for its linear layers, a small attention on one thread) is the runner's (pagoda/model/runner.py), with
+  the measurement that keeps it.
 
 Library users who import torch first get the spinning default; `configure_threads` says so in the log.
 No torch at import time: this module must load before torch does.
@@ -40,10 +41,9 @@ PASSIVE = "PASSIVE"
 
 @dataclass
 class MachineState:
-    """What this process was set up with (for the log, /health and the benchmarks' headers)."""
+    """What this process was set up with (for the log and the benchmarks' headers)."""
 
     wait_policy: str | None = None  # OMP_WAIT_POLICY in force when torch loaded; None = not known (torch came first)
-    threads: int | None = None  # torch's intra-op threads, once configured
 
 
 STATE = MachineState()
@@ -80,5 +80,4 @@ def configure_threads(threads: int | None = None) -> int:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
-    STATE.threads = torch.get_num_threads()
-    return STATE.threads
+    return torch.get_num_threads()

@@ -63,9 +63,9 @@ def in_force(config: SpeculativeConfig | None, row_multiple: int) -> Speculation
     if config is None:
         return Speculation(None, "off: --speculative-config is empty")
     if row_multiple <= 1 and config.max_extra_rows == 0:
-        return Speculation(None, "off: the runner pads no rows (its matmuls need none: the int8/int4 formats, CUDA, or torch's plain"
-                                 " products on a CPU without native bfloat16)"
-                                 " and speculative_config.max_extra_rows is 0, so no step has a row to give a draft")
+        return Speculation(None, "off: the runner pads no rows (its matmuls need none: the int8/int4 formats, CUDA,"
+                                 " or torch's plain products on a CPU without native bfloat16) and"
+                                 " speculative_config.max_extra_rows is 0, so no step has a row to give a draft")
     rows = f"the rows the runner pads (to a multiple of {row_multiple})" if row_multiple > 1 else ""
     extra = f"up to {config.max_extra_rows} more rows a step" if config.max_extra_rows else ""
     where = " and ".join(part for part in (rows, extra) if part)
