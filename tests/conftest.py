@@ -15,3 +15,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Session fixtures for the default model (imported once per session into $PAGODA_HOME or a tmp dir)
 # and live servers (real uvicorn on 127.0.0.1, port 0).
 pytest_plugins = ["tests.model_fixtures", "tests.server_fixtures"]
+
+
+def pytest_sessionstart(session):
+    # pagoda's C++ CPU kernels compile on first use (a few tens of seconds, once per $PAGODA_HOME): here,
+    # not inside a test that times a server's start-up. Where they cannot build, their tests skip.
+    from pagoda.kernels import cpu_int_matmul
+
+    cpu_int_matmul.load()

@@ -25,10 +25,11 @@ from pagoda.model.factory import make_engine
 from pagoda.model.hub import resolve_model
 from pagoda.model.loader import load_model, weight_format
 
-FORMATS = {  # name: (dtype, quantization, LM head format; None = the loader's default)
+FORMATS = {  # name: (dtype, quantization, LM head format; None = the loader's default[, the layers' kernel])
     "float32": ("float32", "none", None),
     "bfloat16": ("bfloat16", "none", None),
     "int8": ("float32", "int8", "int8"),
+    "int8-torch": ("float32", "int8", "int8", "int8"),
     "int8-float-head": ("float32", "int8", "float"),
     "int4": ("float32", "int4", "int8"),
     "int4-float-head": ("float32", "int4", "float"),
@@ -37,9 +38,9 @@ FORMATS = {  # name: (dtype, quantization, LM head format; None = the loader's d
 
 
 def load(model_dir, name: str):
-    dtype, quantization, head = FORMATS[name]
+    dtype, quantization, head, *kernel = FORMATS[name]
     return load_model(model_dir, dtype=dtype, device="cpu", max_positions=256, quantization=quantization,
-                      lm_head=head)
+                      lm_head=head, matmul=kernel[0] if kernel else None)
 
 
 def rss(model_dir, name: str) -> None:

@@ -28,7 +28,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # int4 rounds the head (the tied embedding, Q8_0 in the GGUF) too coarsely: greedy agreement 0.85 against
 # 0.98 with a bfloat16 or int8 head; int8 is as good as bfloat16 and faster (docs/performance.md).
 LM_HEAD_FORMATS = ("float", "int8", "int4")  # float: onednn_bf16 where native, else the float32 kernel
-DEFAULT_LM_HEAD = {"int8": "int8", "int4": "int8"}
+DEFAULT_LM_HEAD = {"int8": "int8", "int8_avx2": "int8", "int4": "int8"}  # by the layers' kernel
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -101,7 +101,7 @@ def load_model(
     """Load an HF directory into a Transformer on `device` in `dtype` ('auto' picks per device).
 
     `max_positions` bounds the RoPE table (default: the config's context);
-    `matmul` names a MatmulKernel (default: the batch-invariant one for the device);
+    `matmul` names a MatmulKernel (default: the batch-invariant one for the device, or the quantization's);
     `quantization` int8/int4 is a weight format of the linear layers (the rest of the model is float32),
     the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD).
     """
@@ -116,16 +116,16 @@ def load_model(
         model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
                             matmul=matmul)
     else:
-        if matmul is not None:
-            raise ValueError("pass a matmul kernel or a quantization, not both")
+        if matmul is not None:  # another kernel of the same format (benchmarks compare them)
+            kernel = select_matmul(device, name=matmul)
         model = build_model(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel)
         head = lm_head or DEFAULT_LM_HEAD[kernel.name]
         if head not in LM_HEAD_FORMATS:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {head!r}")
         if head == "float":
             model.lm_head_packed = PackedWeight(ONEDNN_BF16 if has_onednn_bf16() else select_matmul(device))
-        elif head != kernel.name:
-            model.lm_head_packed = PackedWeight(quantized_matmul(head, device))
+        elif head != quantization and (head_kernel := quantized_matmul(head, device)) is not kernel:
+            model.lm_head_packed = PackedWeight(head_kernel)
     try:
         load_weights(model, iter_checkpoint(files))
     except ValueError as exc:

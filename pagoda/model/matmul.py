@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagoda.kernels import cpu_int_matmul
 from pagoda.model import quantize
 
 
@@ -35,6 +36,9 @@ class MatmulKernel:
     row_multiple: int
     linear: Callable[[Tensor, Any, Tensor | None], Tensor]  # (x, weight or pack(weight), bias)
     pack: Callable[[Tensor], Any] | None = None  # weight [out, in] -> the kernel's own layout (a tensor or a pack)
+    # a product of fewer multiply-adds (rows x in x out) runs on the one thread of a small step: waking a
+    # sleeping OpenMP thread costs more than it saves (runner.py's design note)
+    min_parallel_work: int = 0
 
 
 def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -85,6 +89,13 @@ PLAIN = MatmulKernel("torch", 1, F.linear)  # GPUs, and CPU runs that opt out of
 # the same bits (tests/model/test_llama.py), so no padding.
 INT8 = MatmulKernel("int8", 1, quantize.int8_linear, quantize.quantize_int8)
 INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
+# The same int8 weights, float32 scales and activations, on pagoda's own AVX2/FMA kernel
+# (pagoda/kernels/cpu_int_matmul.cpp): every output element is one fixed instruction sequence whatever
+# the row count, tile or thread, so no padding. `--quantization int8` takes it where it builds.
+# It streams about 13 GB/s on one thread; waking the second costs ~0.2 ms on the 2-core CI machine, so
+# products under 16M multiply-adds stay on one thread (docs/performance.md, "pagoda's int8 kernel").
+INT8_AVX2 = MatmulKernel("int8_avx2", 1, quantize.int8_avx2_linear, quantize.quantize_int8_float_scales,
+                         min_parallel_work=16 << 20)
 QUANTIZATIONS = ("none", "int8", "int4", "auto")  # --quantization
 # `auto` is `none`: int4/int8 win only at 1-4 rows (bf16 is ~2x faster at 16-64), and switching
 # kernels by row count would break batch invariance (docs/performance.md, "Weight formats").
@@ -104,12 +115,14 @@ def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKer
                          f"use --device cpu or --quantization none")
     if not quantize.has_int_kernels():
         raise ValueError(f"--quantization {quantization}: this torch build lacks the CPU int8/int4 weight kernels")
-    return INT8 if quantization == "int8" else INT4
+    if quantization == "int8":
+        return INT8_AVX2 if cpu_int_matmul.available() else INT8
+    return INT4
 
 
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
-    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4)}
+    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4, INT8_AVX2)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")

@@ -9,7 +9,10 @@ bytes are a faster step while the rows are few. Two formats, each torch's own CP
   (asymmetric round to nearest between the group's min and max).
   `aten._weight_int4pack_mm_for_cpu(x [T, K], packed [N, K/2] uint8, 32, scales_zeros [K/32, N, 2])`.
 
-Both kernels want the activations, scales and zeros in one dtype: bfloat16 (float32 activations take
+pagoda's own AVX2 kernel (`pagoda/kernels/cpu_int_matmul.cpp`, `int8_avx2_linear`) multiplies the same int8
+weights with float32 scales, activations and accumulation, at the memory bandwidth for a decode's few rows.
+
+torch's kernels want the activations, scales and zeros in one dtype: bfloat16 (float32 activations take
 those kernels' scalar path, 10-60x slower; float16 is slower still). Activations are rounded to
 bfloat16 per row and the kernels reduce each row on its own, so a row's bits do not depend on the
 other rows at any row count (tests/model/test_llama.py). A GGUF Q4_1 block (w = d * q + m, per 32
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from pagoda.kernels import cpu_int_matmul
 
 GROUP_SIZE = 32  # int4 inputs per scale and zero; Q4_1's block size too
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles (weights 0-15 low, 16-31 high)
@@ -54,10 +59,10 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
-def quantize_int8(weight: Tensor) -> Int8Weight:
-    """weight [N, K] float -> int8 per output channel, rounded to nearest (symmetric)."""
+def quantize_int8(weight: Tensor, scale_dtype: torch.dtype = ACTIVATION_DTYPE) -> Int8Weight:
+    """weight [N, K] float -> int8 per output channel, rounded to nearest (symmetric), scales in `scale_dtype`."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(ACTIVATION_DTYPE)
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
     q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
     return Int8Weight(q.contiguous(), scales.contiguous())
 
@@ -125,6 +130,21 @@ def int8_linear(x: Tensor, weight: Int8Weight | Tensor, bias: Tensor | None) -> 
     if isinstance(weight, Tensor):
         weight = quantize_int8(weight)  # not packed yet (weights still loading)
     out = torch.ops.aten._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), weight.qweight, weight.scales).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def quantize_int8_float_scales(weight: Tensor) -> Int8Weight:
+    """int8 per output channel with float32 scales: the pack of pagoda's own kernel (cpu_int_matmul)."""
+    if weight.shape[1] % 8:
+        raise ValueError(f"int8 needs the input size ({weight.shape[1]}) to be a multiple of 8 (pagoda's AVX2 kernel)")
+    return quantize_int8(weight, torch.float32)
+
+
+def int8_avx2_linear(x: Tensor, weight: Int8Weight | Tensor, bias: Tensor | None) -> Tensor:
+    """x [T, K] float32 -> [T, N] float32 through pagoda's AVX2 int8 kernel: float32 activations and output."""
+    if isinstance(weight, Tensor):
+        weight = quantize_int8_float_scales(weight)
+    out = cpu_int_matmul.int8_linear(x, weight.qweight, weight.scales)
     return out if bias is None else out + bias
 
 

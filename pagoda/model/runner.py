@@ -25,7 +25,8 @@ machine), more than the work itself for the small ops of a decode or a short
 prefill. So a CPU step of at most SMALL_ROWS token rows runs on one thread,
 except its linear layers, which run on every thread (`StepThreads.linear`,
 handed to the model in its StepContext: eight switches a layer, about 0.3 us
-each); and its attention runs on every thread only when the step's attention
+each) when they are big enough to repay the wake-up (a kernel's
+`min_parallel_work`); and its attention runs on every thread only when the step's attention
 has more than SMALL_ATTENTION score elements, on one thread otherwise (in
 bigger steps too). Thread counts never change a row's bits (the kernel tests
 run the attention at 1 and 4 threads). Measured (float32, 2 threads,
@@ -146,7 +147,7 @@ class TorchModelRunner:
                                                                                      meta.seq_lens_cpu))
             attention = 1 if scores <= self.small_attention else full
         backend = self.backend if attention == narrow else AttentionOn(self.backend, attention, narrow)
-        return StepThreads(narrow=narrow, full=full), backend
+        return StepThreads(narrow=narrow, full=full, min_parallel_work=self.model.matmul.min_parallel_work), backend
 
 
 def _set_threads(n: int) -> None:
@@ -156,10 +157,14 @@ def _set_threads(n: int) -> None:
 
 @dataclass(frozen=True)
 class StepThreads:
-    """A CPU step's threads: the step on `narrow`, its linear layers on `full` (the design note)."""
+    """A CPU step's threads: the step on `narrow`, its linear layers on `full` (the design note).
+
+    A product of fewer multiply-adds than `min_parallel_work` stays on `narrow` (the kernel's own figure).
+    """
 
     narrow: int
     full: int
+    min_parallel_work: int = 0
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -171,7 +176,7 @@ class StepThreads:
             _set_threads(self.full)
 
     def linear(self, layer: torch.nn.Module, x: Tensor) -> Tensor:
-        if self.narrow == self.full:
+        if self.narrow == self.full or x.shape[0] * layer.in_features * layer.out_features < self.min_parallel_work:
             return layer(x)
         _set_threads(self.full)
         try:

@@ -17,7 +17,8 @@ from pagoda.model.config import named_config
 from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
-from pagoda.model.matmul import INT4, INT8, ONEDNN_BF16
+from pagoda.kernels import cpu_int_matmul
+from pagoda.model.matmul import INT4, INT8, INT8_AVX2, ONEDNN_BF16
 from pagoda.model.quantize import has_int_kernels
 from pagoda.model.runner import TorchModelRunner
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
@@ -133,8 +134,11 @@ def test_tiny_model_tokens_are_batch_invariant(dtype):
 needs_int = pytest.mark.skipif(not has_int_kernels(), reason="torch lacks the CPU int8/int4 weight kernels")
 
 
-@pytest.mark.parametrize("matmul", [pytest.param(INT8, marks=needs_int), pytest.param(INT4, marks=needs_int)],
-                         ids=lambda k: k.name)
+needs_avx2 = pytest.mark.skipif(not cpu_int_matmul.available(), reason=f"{cpu_int_matmul.load()}")
+
+
+@pytest.mark.parametrize("matmul", [pytest.param(INT8, marks=needs_int), pytest.param(INT4, marks=needs_int),
+                                    pytest.param(INT8_AVX2, marks=needs_avx2)], ids=lambda k: k.name)
 def test_tiny_model_tokens_are_batch_invariant_on_int_weights(matmul):
     model = build_model(named_config("tiny"), max_positions=512, matmul=matmul)
     model.init_random_weights(seed=5, std=0.1)  # quantized at packing, the LM head too
@@ -153,7 +157,8 @@ def test_tiny_model_tokens_are_batch_invariant_on_int_weights(matmul):
     pytest.param("float32", "int4", marks=[needs_int, pytest.mark.slow]),
 ], ids=["float32", "bfloat16", "int8", "int4"])
 def test_default_model_tokens_are_batch_invariant(default_model_dir, dtype, quantization):  # noqa: F811
-    """Every CPU weight format: float32 (onednn_packed), bfloat16 (onednn_bf16, where native), int8, int4."""
+    """Every CPU weight format: float32 (onednn_packed), bfloat16 (onednn_bf16, where native), int8 (int8_avx2
+    where it builds), int4."""
     model, _ = load_model(default_model_dir, dtype, "cpu", max_positions=512, quantization=quantization)
     if dtype == "bfloat16" and model.matmul is not ONEDNN_BF16:
         pytest.skip("no native bfloat16 products on this CPU")

@@ -7,10 +7,10 @@ import torch
 
 from pagoda.model.config import named_config
 from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_freq, rope_tables
-from pagoda.model.matmul import (INT4, INT8, MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, PackedWeight,
+from pagoda.model.matmul import (INT4, INT8, INT8_AVX2, MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, PackedWeight,
                                  has_onednn_bf16, select_matmul)
 from pagoda.model.quantize import has_int_kernels
-from pagoda.kernels import AttentionMetadata, allocate_kv_cache, select_backend
+from pagoda.kernels import AttentionMetadata, allocate_kv_cache, cpu_int_matmul, select_backend
 
 BLOCK_SIZE = 4
 
@@ -110,6 +110,7 @@ HAS_ONEDNN = select_matmul("cpu") in (ONEDNN, ONEDNN_PACKED)
 CPU_KERNELS = [k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED) if k is MKL_PADDED or HAS_ONEDNN]
 CPU_KERNELS += [ONEDNN_BF16] if has_onednn_bf16() else []
 CPU_KERNELS += [INT8, INT4] if has_int_kernels() else []  # row_multiple 1: invariant with no padding at all
+CPU_KERNELS += [INT8_AVX2] if cpu_int_matmul.available() else []
 
 
 def _padded(fn, x, multiple):
@@ -181,8 +182,7 @@ def test_each_op_is_batch_invariant_with_row_padding(matmul):
             assert ok, f"{name}: row differs at (batch size, position) {where}"
 
 
-@pytest.mark.skipif(not has_int_kernels(), reason="torch lacks the CPU int8/int4 weight kernels")
-@pytest.mark.parametrize("matmul", [INT8, INT4], ids=lambda k: k.name)
+@pytest.mark.parametrize("matmul", [k for k in CPU_KERNELS if k in (INT8, INT4, INT8_AVX2)], ids=lambda k: k.name)
 def test_a_float_lm_head_over_int_layers_keeps_its_own_padding(matmul):
     """int layers with a bfloat16 (or float32) LM head: the runner pads to the head's row multiple."""
     from pagoda.model.factory import make_engine
@@ -200,7 +200,7 @@ def test_a_float_lm_head_over_int_layers_keeps_its_own_padding(matmul):
     assert ok, f"lm_head: row differs at (batch size, position) {where}"
 
 
-@pytest.mark.parametrize("matmul", CPU_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("matmul", [k for k in CPU_KERNELS if k.row_multiple > 1], ids=lambda k: k.name)
 def test_without_padding_the_kernel_is_not_batch_invariant(matmul):
     """Why the runner pads: shows the hazard on this machine (skipped where the BLAS has none)."""
     w = torch.randn(1536, 576)

@@ -172,15 +172,28 @@ def test_a_small_steps_linear_layers_run_on_every_thread_and_the_rest_on_one():
     from pagoda.model.runner import StepThreads
 
     seen = []
-    layer = lambda x: seen.append(torch.get_num_threads()) or x  # noqa: E731
+
+    class Layer:  # records the threads it runs on
+        in_features, out_features = 8, 4
+
+        def __call__(self, x):
+            seen.append(torch.get_num_threads())
+            return x
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         step_threads = StepThreads(narrow=1, full=2)
         with step_threads.step():
             seen.append(torch.get_num_threads())
-            step_threads.linear(layer, torch.zeros(1))
+            step_threads.linear(Layer(), torch.zeros(1, 8))
             seen.append(torch.get_num_threads())
         assert seen == [1, 2, 1] and torch.get_num_threads() == 2
+        seen.clear()  # a kernel for which waking a thread costs more than 3 x 8 x 4 multiply-adds save
+        step_threads = StepThreads(narrow=1, full=2, min_parallel_work=3 * 8 * 4 + 1)
+        with step_threads.step():
+            step_threads.linear(Layer(), torch.zeros(3, 8))  # under the kernel's figure: stays on one thread
+            step_threads.linear(Layer(), torch.zeros(4, 8))  # over it: every thread
+        assert seen == [1, 2]
     finally:
         torch.set_num_threads(threads)

@@ -1,0 +1,86 @@
+"""pagoda's AVX2 int8/int4 products: the weights they multiply by, and a row's bits whatever else is computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels import cpu_int_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_int_matmul.available(), reason=f"{cpu_int_matmul.load()}")
+
+
+def int8_case(n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) * 0.01
+    return (q, scale), q.double() * scale.double()[:, None]
+
+
+def int4_case(n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    dm = torch.randn(n, 2, k // 32, generator=gen) * 0.01
+    nibbles = packed.view(n, k // 32, 16).int()
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, k).double()  # Q4_1's order
+    d, m = (dm[:, i].double().repeat_interleave(32, dim=1) for i in (0, 1))
+    return (packed, dm), q * d + m
+
+
+CASES = {"int8": (int8_case, cpu_int_matmul.int8_linear), "int4": (int4_case, cpu_int_matmul.int4_linear)}
+
+
+@pytest.mark.parametrize("fmt", CASES)
+@pytest.mark.parametrize("n, k", [(96, 576), (37, 64), (1, 1536), (2050, 32)])
+def test_the_product_is_by_the_dequantized_weight(fmt, n, k):
+    make, linear = CASES[fmt]
+    operands, w = make(n, k)
+    for rows in (1, 3, 4, 5, 9, 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        got = linear(x, *operands)
+        want = x.double() @ w.T
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (rows, n, k)
+
+
+@pytest.mark.parametrize("fmt", CASES)
+def test_a_rows_bits_depend_on_nothing_else(fmt):
+    """Every row count 1..70 (4-row tiles and their remainders), any position, any channel count, 1 or 2 threads."""
+    make, linear = CASES[fmt]
+    operands, _ = make(101, 576)  # 101 channels: full and partial tiles and blocks
+    gen = torch.Generator().manual_seed(1)
+    probe, crowd = torch.randn(1, 576, generator=gen), torch.randn(70, 576, generator=gen)
+    want = linear(probe, *operands)[0]
+    threads = torch.get_num_threads()
+    try:
+        for n in range(1, 71):
+            torch.set_num_threads(1 + n % 2)
+            for at in {0, n // 2, n - 1}:
+                x = crowd[:n].clone()
+                x[at] = probe[0]
+                assert torch.equal(linear(x, *operands)[at], want), (n, at)
+    finally:
+        torch.set_num_threads(threads)
+    strided = torch.cat((crowd[:5], crowd[:5]), dim=1)[:, :576]  # rows not contiguous with each other
+    assert torch.equal(linear(strided, *operands), linear(strided.contiguous(), *operands))
+
+
+def test_shapes_it_cannot_take_are_refused_by_name():
+    (q, scale), _ = int8_case(16, 64)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_int_matmul.int8_linear(torch.randn(2, 60), q[:, :60].contiguous(), scale)
+    with pytest.raises(RuntimeError, match="inputs"):
+        cpu_int_matmul.int8_linear(torch.randn(2, 32), q, scale)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_int_matmul.int8_linear(torch.randn(2, 64, dtype=torch.float64), q, scale)
+    (packed, dm), _ = int4_case(16, 64)
+    with pytest.raises(RuntimeError, match="dm must be"):
+        cpu_int_matmul.int4_linear(torch.randn(2, 64), packed, dm[:, :, :1].contiguous())
+
+
+def test_the_library_is_built_once_into_a_cache_keyed_by_its_source(tmp_path, monkeypatch):
+    assert list(cpu_int_matmul.cache_dir().glob("*.so")), "the loaded library lives in its cache directory"
+    monkeypatch.setenv("PAGODA_HOME", str(tmp_path))
+    here = cpu_int_matmul.cache_dir()
+    assert here.parent == tmp_path / "kernels" and here.name.startswith("cpu_int_matmul-")
+    assert cpu_int_matmul.cache_dir() == here  # the same source, torch and flags: the same directory
