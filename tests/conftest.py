@@ -20,6 +20,6 @@ pytest_plugins = ["tests.model_fixtures", "tests.server_fixtures"]
 def pytest_sessionstart(session):
     # pagoda's C++ CPU kernels compile on first use (a few tens of seconds, once per $PAGODA_HOME): here,
     # not inside a test that times a server's start-up. Where they cannot build, their tests skip.
-    from pagoda.kernels import cpu_int_matmul
+    from pagoda.kernels import cpu_native
 
-    cpu_int_matmul.load()
+    cpu_native.load()

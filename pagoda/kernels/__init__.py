@@ -2,7 +2,8 @@
 
 Backends:
 - "triton": Triton kernels, the default on CUDA (triton_decode.py, triton_prefill.py).
-- "cpu": vectorized torch, bitwise batch invariant, the default on the CPU (cpu_plan.py, cpu_attention.py).
+- "cpu": bitwise batch invariant, the default on the CPU: pagoda's C++ kernel for float32 on AVX2 CPUs
+  (cpu_paged_attention.cpp, through cpu_native.py), else vectorized torch (cpu_plan.py, cpu_attention.py).
 - "cpu_sdpa": torch SDPA on the CPU, faster on long prefills but not batch invariant (cpu_sdpa.py).
 - "reference": plain per-sequence float64 attention, the oracle for tests (reference.py).
 """

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pagoda.kernels import cpu_native
 from pagoda.kernels.cpu_plan import TILE, AttentionPlan, KeyChunk, RowSet, round_up
 from pagoda.kernels.kv_cache import gather_blocks, write_kv
 from pagoda.kernels.metadata import AttentionMetadata
@@ -175,22 +176,30 @@ def _halving_sum_(x: Tensor, dim: int) -> Tensor:
 
 
 class CpuBackend:
-    """AttentionBackend for the CPU: vectorized torch, bitwise batch invariant (see the design note)."""
+    """AttentionBackend for the CPU, bitwise batch invariant: pagoda's C++ kernel (cpu_native) for float32
+    where it builds, else the torch fold above (see the design notes)."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool | None = None) -> None:
+        self.native = cpu_native.available() and native is not False  # native=False: the torch fold (tests)
         self.workspace = Workspace()  # scratch reused across steps; one backend serves one runner thread
         self.plan: AttentionPlan | None = None  # the current step's, shared by its layers
 
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Store new K/V through slot_mapping."""
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        if self.native and k_cache.dtype == k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1:
+            cpu_native.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        else:
+            write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
     ) -> Tensor:
         """Causal attention of the new tokens over their cached context."""
+        if self.native and q.dtype == k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+            return cpu_native.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                              meta.query_start_loc, meta.seq_lens, scale)
         geometry = (k_cache.shape[1], k_cache.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[3])
         if self.plan is None or not self.plan.fits(meta, *geometry):
             self.plan = AttentionPlan.build(meta, *geometry)

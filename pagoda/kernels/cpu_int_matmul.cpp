@@ -17,6 +17,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <cmath>
 #include <vector>
 
@@ -25,12 +27,7 @@ namespace {
 constexpr int64_t kBlock = 16;  // output channels a thread takes at a time
 constexpr int64_t kAhead = 2;  // tiles ahead to prefetch
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagoda_simd::hsum;
 
 // Eight int8 weights as float32.
 inline __m256 int8_weights(const int8_t* p) {

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagoda.kernels import cpu_native
 from pagoda.model.config import ModelConfig
 from pagoda.model.matmul import ONEDNN_BF16, PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
 
@@ -72,6 +73,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H]. Statistics in float32 whatever the weights' dtype; in place on fresh tensors
         # (the same products and sums in the same order, so the same bits as the out-of-place form).
+        # float32 rows on an AVX2 CPU: the same formula in one C++ call (pagoda/kernels/cpu_native.py).
+        if x.dtype is self.weight.dtype is torch.float32 and x.dim() == 2 and x.is_cpu and cpu_native.available():
+            return cpu_native.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         normed = (x32 * x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype)
         return normed.mul_(self.weight)
@@ -111,6 +115,9 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor
 
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """x: [T, heads, D]; cos, sin_signed: [T, D] -> [T, heads, D]."""
+    if (x.dtype is cos.dtype is torch.float32 and x.is_cpu and x.shape[-1] % 16 == 0 and x.stride(-1) == 1
+            and cpu_native.available()):
+        return cpu_native.rope(x, cos, sin_signed)  # the same bits in one C++ call
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), -1).mul_(sin_signed[:, None, :])
     return torch.mul(x, cos[:, None, :]).add_(swapped)  # x * cos + swapped * sin, without temporaries

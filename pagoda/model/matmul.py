@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagoda.kernels import cpu_int_matmul
+from pagoda.kernels import cpu_native
 from pagoda.model import quantize
 
 
@@ -116,7 +116,7 @@ def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKer
     if not quantize.has_int_kernels():
         raise ValueError(f"--quantization {quantization}: this torch build lacks the CPU int8/int4 weight kernels")
     if quantization == "int8":
-        return INT8_AVX2 if cpu_int_matmul.available() else INT8
+        return INT8_AVX2 if cpu_native.available() else INT8
     return INT4
 
 

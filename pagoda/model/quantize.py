@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagoda.kernels import cpu_int_matmul
+from pagoda.kernels import cpu_native
 
 GROUP_SIZE = 32  # int4 inputs per scale and zero; Q4_1's block size too
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles (weights 0-15 low, 16-31 high)
@@ -134,7 +134,7 @@ def int8_linear(x: Tensor, weight: Int8Weight | Tensor, bias: Tensor | None) -> 
 
 
 def quantize_int8_float_scales(weight: Tensor) -> Int8Weight:
-    """int8 per output channel with float32 scales: the pack of pagoda's own kernel (cpu_int_matmul)."""
+    """int8 per output channel with float32 scales: the pack of pagoda's own kernel (cpu_native)."""
     if weight.shape[1] % 8:
         raise ValueError(f"int8 needs the input size ({weight.shape[1]}) to be a multiple of 8 (pagoda's AVX2 kernel)")
     return quantize_int8(weight, torch.float32)
@@ -144,7 +144,7 @@ def int8_avx2_linear(x: Tensor, weight: Int8Weight | Tensor, bias: Tensor | None
     """x [T, K] float32 -> [T, N] float32 through pagoda's AVX2 int8 kernel: float32 activations and output."""
     if isinstance(weight, Tensor):
         weight = quantize_int8_float_scales(weight)
-    out = cpu_int_matmul.int8_linear(x, weight.qweight, weight.scales)
+    out = cpu_native.int8_linear(x, weight.qweight, weight.scales)
     return out if bias is None else out + bias
 
 

@@ -1,4 +1,5 @@
-"""The CPU backend against the reference, and its bitwise batch invariance (torch.equal, not closeness)."""
+"""The CPU backend's torch fold against the reference, and its bitwise batch invariance (torch.equal, not
+closeness). The C++ kernel the backend runs in float32 where it builds: test_cpu_native_attention.py."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ def test_thread_count_does_not_change_bits(world, full_prefill):
 
 
 def test_backend_reuses_its_workspace_without_leaking_state(world, full_prefill):
-    backend = CpuBackend()
+    backend = CpuBackend(native=False)
     first = run_cpu(world.batch([(0, 0, 300)]), backend)
     grown = backend.workspace.nbytes
     run_cpu(world.batch([(i, n - 1, 1) for i, n in enumerate(LENS)]), backend)
@@ -276,7 +277,7 @@ def test_random_mixed_steps_give_every_row_its_prefill_bits(seed):
 
 
 def test_backend_builds_one_plan_per_step_for_all_layers(world, full_prefill):
-    backend = CpuBackend()
+    backend = CpuBackend(native=False)
     items = [(0, 299, 1), (2, 10, 54), (1, 160, 1)]
     step = world.batch(items)
     layers = [backend.attention(step.q * (1 + layer), step.k_cache, step.v_cache, step.meta, step.scale)

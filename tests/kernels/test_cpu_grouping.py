@@ -78,7 +78,7 @@ def test_backend_attention_at_either_thread_count_gives_the_same_bits(world, alo
     for n in (1, max(2, threads)):  # the runner's one-thread switch (pagoda/model/runner.py), and the full count
         torch.set_num_threads(n)
         try:
-            results.append(CpuBackend().attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale))
+            results.append(CpuBackend(native=False).attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale))
         finally:
             torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])

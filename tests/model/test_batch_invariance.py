@@ -17,7 +17,7 @@ from pagoda.model.config import named_config
 from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
-from pagoda.kernels import cpu_int_matmul
+from pagoda.kernels import cpu_native
 from pagoda.model.matmul import INT4, INT8, INT8_AVX2, ONEDNN_BF16
 from pagoda.model.quantize import has_int_kernels
 from pagoda.model.runner import TorchModelRunner
@@ -134,7 +134,7 @@ def test_tiny_model_tokens_are_batch_invariant(dtype):
 needs_int = pytest.mark.skipif(not has_int_kernels(), reason="torch lacks the CPU int8/int4 weight kernels")
 
 
-needs_avx2 = pytest.mark.skipif(not cpu_int_matmul.available(), reason=f"{cpu_int_matmul.load()}")
+needs_avx2 = pytest.mark.skipif(not cpu_native.available(), reason=f"{cpu_native.load()}")
 
 
 @pytest.mark.parametrize("matmul", [pytest.param(INT8, marks=needs_int), pytest.param(INT4, marks=needs_int),

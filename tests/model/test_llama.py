@@ -10,7 +10,7 @@ from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_fr
 from pagoda.model.matmul import (INT4, INT8, INT8_AVX2, MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, PackedWeight,
                                  has_onednn_bf16, select_matmul)
 from pagoda.model.quantize import has_int_kernels
-from pagoda.kernels import AttentionMetadata, allocate_kv_cache, cpu_int_matmul, select_backend
+from pagoda.kernels import AttentionMetadata, allocate_kv_cache, cpu_native, select_backend
 
 BLOCK_SIZE = 4
 
@@ -110,7 +110,7 @@ HAS_ONEDNN = select_matmul("cpu") in (ONEDNN, ONEDNN_PACKED)
 CPU_KERNELS = [k for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED) if k is MKL_PADDED or HAS_ONEDNN]
 CPU_KERNELS += [ONEDNN_BF16] if has_onednn_bf16() else []
 CPU_KERNELS += [INT8, INT4] if has_int_kernels() else []  # row_multiple 1: invariant with no padding at all
-CPU_KERNELS += [INT8_AVX2] if cpu_int_matmul.available() else []
+CPU_KERNELS += [INT8_AVX2] if cpu_native.available() else []
 
 
 def _padded(fn, x, multiple):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.kernels import cpu_int_matmul
+from pagoda.kernels import cpu_native
 from pagoda.model.matmul import INT4, INT8, INT8_AVX2, ONEDNN_BF16, QUANTIZATIONS, quantized_matmul
 from pagoda.model.quantize import (GROUP_SIZE, Int4Weight, dequantize, has_int_kernels, int4_from_q4_1, int4_linear,
                                    int4_values, int8_avx2_linear, int8_linear, quantize_int4, quantize_int8,
@@ -53,7 +53,7 @@ def test_the_kernel_multiplies_by_the_dequantized_weight(fmt):
     torch.testing.assert_close(linear(x, w, bias), got, rtol=0, atol=0)  # an unpacked weight: quantized on the fly
 
 
-@pytest.mark.skipif(not cpu_int_matmul.available(), reason=f"{cpu_int_matmul.load()}")
+@pytest.mark.skipif(not cpu_native.available(), reason=f"{cpu_native.load()}")
 def test_pagodas_int8_kernel_multiplies_by_the_dequantized_weight_in_float32():
     w, x, bias = weight(), torch.randn(5, 576), torch.randn(96)
     packed = quantize_int8_float_scales(w)
@@ -120,7 +120,7 @@ def test_int4_loads_the_default_model_from_its_blocks(default_model_dir):  # noq
 
     model, _ = load_model(default_model_dir, "auto", "cpu", max_positions=64, quantization="int4")
     layers = model.model.layers
-    head = "int8_avx2" if cpu_int_matmul.available() else "int8"  # the int8 head on pagoda's kernel where it builds
+    head = "int8_avx2" if cpu_native.available() else "int8"  # the int8 head on pagoda's kernel where it builds
     assert model.matmul is INT4 and weight_format(model) == f"int4 (LM head {head})"
     down = layers[0].mlp.down_proj
     assert isinstance(down.packed.packed, Int4Weight) and down.packed.released and down.weight.numel() == 0
@@ -136,7 +136,7 @@ def test_quantization_values_and_devices():
     assert QUANTIZATIONS == ("none", "int8", "int4", "auto")
     assert quantized_matmul("none", "cpu") is None
     assert quantized_matmul("auto", "cpu") is None  # measured: int formats lose at 16-64 rows (docs/performance.md)
-    assert quantized_matmul("int8", "cpu") is (INT8_AVX2 if cpu_int_matmul.available() else INT8)
+    assert quantized_matmul("int8", "cpu") is (INT8_AVX2 if cpu_native.available() else INT8)
     assert quantized_matmul("int4", "cpu") is INT4
     with pytest.raises(ValueError, match="CPU only"):
         quantized_matmul("int4", "cuda")
@@ -164,7 +164,7 @@ def test_the_startup_log_names_the_weight_format(default_model_dir, caplog):  # 
     with caplog.at_level("INFO", logger="pagoda.model"):
         load_engine(default_model_dir, Tokenizer.from_dir(default_model_dir), options)
     (line,) = [r.getMessage() for r in caplog.records if "weights" in r.getMessage()]
-    head = "int8_avx2" if cpu_int_matmul.available() else "int8"
+    head = "int8_avx2" if cpu_native.available() else "int8"
     assert f"weights int4 (LM head {head}), KV cache float32" in line
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineOptions(quantization="int2")

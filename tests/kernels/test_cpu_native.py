@@ -1,13 +1,14 @@
-"""pagoda's AVX2 int8/int4 products: the weights they multiply by, and a row's bits whatever else is computed."""
+"""pagoda's C++ CPU kernels: the int8/int4 products multiply by the dequantized weight, and a row's bits
+never depend on anything else computed with it (the attention kernel's tests are in test_backends.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagoda.kernels import cpu_int_matmul
+from pagoda.kernels import cpu_native
 
-pytestmark = pytest.mark.skipif(not cpu_int_matmul.available(), reason=f"{cpu_int_matmul.load()}")
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"{cpu_native.load()}")
 
 
 def int8_case(n, k, seed=0):
@@ -27,7 +28,7 @@ def int4_case(n, k, seed=0):
     return (packed, dm), q * d + m
 
 
-CASES = {"int8": (int8_case, cpu_int_matmul.int8_linear), "int4": (int4_case, cpu_int_matmul.int4_linear)}
+CASES = {"int8": (int8_case, cpu_native.int8_linear), "int4": (int4_case, cpu_native.int4_linear)}
 
 
 @pytest.mark.parametrize("fmt", CASES)
@@ -68,19 +69,43 @@ def test_a_rows_bits_depend_on_nothing_else(fmt):
 def test_shapes_it_cannot_take_are_refused_by_name():
     (q, scale), _ = int8_case(16, 64)
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        cpu_int_matmul.int8_linear(torch.randn(2, 60), q[:, :60].contiguous(), scale)
+        cpu_native.int8_linear(torch.randn(2, 60), q[:, :60].contiguous(), scale)
     with pytest.raises(RuntimeError, match="inputs"):
-        cpu_int_matmul.int8_linear(torch.randn(2, 32), q, scale)
+        cpu_native.int8_linear(torch.randn(2, 32), q, scale)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_int_matmul.int8_linear(torch.randn(2, 64, dtype=torch.float64), q, scale)
+        cpu_native.int8_linear(torch.randn(2, 64, dtype=torch.float64), q, scale)
     (packed, dm), _ = int4_case(16, 64)
     with pytest.raises(RuntimeError, match="dm must be"):
-        cpu_int_matmul.int4_linear(torch.randn(2, 64), packed, dm[:, :, :1].contiguous())
+        cpu_native.int4_linear(torch.randn(2, 64), packed, dm[:, :, :1].contiguous())
 
 
 def test_the_library_is_built_once_into_a_cache_keyed_by_its_source(tmp_path, monkeypatch):
-    assert list(cpu_int_matmul.cache_dir().glob("*.so")), "the loaded library lives in its cache directory"
+    assert list(cpu_native.cache_dir().glob("*.so")), "the loaded library lives in its cache directory"
     monkeypatch.setenv("PAGODA_HOME", str(tmp_path))
-    here = cpu_int_matmul.cache_dir()
-    assert here.parent == tmp_path / "kernels" and here.name.startswith("cpu_int_matmul-")
-    assert cpu_int_matmul.cache_dir() == here  # the same source, torch and flags: the same directory
+    here = cpu_native.cache_dir()
+    assert here.parent == tmp_path / "kernels" and here.name.startswith("cpu-")
+    assert cpu_native.cache_dir() == here  # the same source, torch and flags: the same directory
+
+
+def test_rms_norm_is_the_torch_formula_and_a_rows_bits_depend_on_nothing_else():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(580, generator=gen)  # 580: a tail past the last 8-lane vector
+    crowd = torch.randn(80, 580, generator=gen) * 3
+    out = cpu_native.rms_norm(crowd, weight, 1e-5)
+    want = (crowd.double() * (crowd.double().pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()) * weight.double()
+    assert (out.double() - want).abs().max() < 1e-5
+    for n in (1, 2, 7, 64, 65, 80):  # row-parallel above 64 rows
+        assert torch.equal(cpu_native.rms_norm(crowd[:n], weight, 1e-5), out[:n]), n
+    assert torch.equal(cpu_native.rms_norm(crowd[40:41], weight, 1e-5)[0], out[40])
+
+
+def test_rope_gives_the_torch_forms_bits():
+    from pagoda.model.config import named_config
+    from pagoda.model.llama import rope_tables
+
+    cos, sin = rope_tables(named_config("smollm2-135m"), 64)
+    qkv = torch.randn(5, 960)
+    qk = qkv[:, : 576 + 192].view(5, 12, 64)  # a strided view into the projection, as the model passes it
+    got = cpu_native.rope(qk, cos[3:8], sin[3:8])
+    swapped = torch.cat((qk[..., 32:], qk[..., :32]), -1).mul_(sin[3:8][:, None, :])
+    assert torch.equal(got, torch.mul(qk, cos[3:8][:, None, :]).add_(swapped)) and got.is_contiguous()

@@ -1,0 +1,16 @@
+// Helpers shared by pagoda's AVX2 kernels (cpu_native.py builds them into one library).
+#pragma once
+
+#include <immintrin.h>
+
+namespace pagoda_simd {
+
+// The sum of a vector's eight lanes, by one fixed tree: the same bits wherever it is called.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace pagoda_simd
