@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagoda.kernels import cpu_native
+import pagoda.kernels.cpu_native as cpu_native
 from pagoda.kernels.cpu_plan import TILE, AttentionPlan, KeyChunk, RowSet, round_up
 from pagoda.kernels.kv_cache import gather_blocks, write_kv
 from pagoda.kernels.metadata import AttentionMetadata
