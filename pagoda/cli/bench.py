@@ -19,6 +19,7 @@ BENCHMARKS = {
     "weight-formats": "pagoda.bench.weight_formats",
     "speculative": "pagoda.bench.speculative",
     "roofline": "pagoda.bench.roofline",
+    "step-parts": "pagoda.bench.step_parts",
 }
 
 
