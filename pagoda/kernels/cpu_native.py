@@ -80,20 +80,21 @@ def load() -> str | None:
     from torch.utils import cpp_extension
 
     build = cache_dir()
-    build.mkdir(parents=True, exist_ok=True)
-    if not (build / f"{_LIBRARY}.so").exists():
-        print(f"pagoda: compiling the C++ CPU kernels once (cached in {build})", file=sys.stderr, flush=True)
     try:
+        build.mkdir(parents=True, exist_ok=True)
+        if not (build / f"{_LIBRARY}.so").exists():
+            print(f"pagoda: compiling the C++ CPU kernels once (cached in {build})", file=sys.stderr, flush=True)
         with _ninja_on_path():
             cpp_extension.load(name=_LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=_FLAGS,
                                extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False,
                                verbose=False)
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
+    except (OSError, RuntimeError, ImportError) as error:  # an unwritable cache, no compiler, no ninja, a failed build
         return f"the C++ CPU kernels did not build: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
     return None
 
 
 def available() -> bool:
+    """Whether the kernels are loaded (built on the first call)."""
     return load() is None
 
 

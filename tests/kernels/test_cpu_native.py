@@ -109,3 +109,11 @@ def test_rope_gives_the_torch_forms_bits():
     got = cpu_native.rope(qk, cos[3:8], sin[3:8])
     swapped = torch.cat((qk[..., 32:], qk[..., :32]), -1).mul_(sin[3:8][:, None, :])
     assert torch.equal(got, torch.mul(qk, cos[3:8][:, None, :]).add_(swapped)) and got.is_contiguous()
+
+
+def test_where_nothing_can_be_built_it_says_why_instead_of_failing(tmp_path, monkeypatch):
+    blocked = tmp_path / "a file, not a directory"
+    blocked.write_text("")
+    monkeypatch.setenv("PAGODA_HOME", str(blocked))
+    reason = cpu_native.load.__wrapped__()  # the uncached load: a fresh process's first call
+    assert reason is not None and "did not build" in reason
