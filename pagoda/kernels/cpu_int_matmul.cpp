@@ -1,4 +1,4 @@
-// Weight-only int8 and int4 matrix products for x86 CPUs with AVX2 and FMA: float32 activations,
+// Weight-only int8 matrix products for x86 CPUs with AVX2 and FMA: float32 activations,
 // float32 accumulation, the weights converted to float32 in registers as they stream past.
 //
 // Batch invariance by construction: out[r, n] is always the same instruction sequence,
@@ -8,9 +8,6 @@
 // Threads split the output channels, never a reduction.
 //
 //   int8: w[n, k] = q[n, k] * scale[n]       q [N, K] int8, scale [N] float32; out = hsum(acc) * scale[n]
-//   int4: w[n, k] = q[n, k] * d[n, g] + m[n, g], g = k / 32, q in 0..15, packed [N, K/2] uint8 in
-//         GGUF Q4_1's order: byte j of group g holds q[32g + j] (low nibble) and q[32g + 16 + j] (high);
-//         dm [N, 2, K/32] float32 holds each channel's d row, then its m row (see int4_tile).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,8 +16,7 @@
 
 #include "cpu_simd.h"
 
-#include <cmath>
-#include <vector>
+#include <algorithm>
 
 namespace {
 
@@ -52,51 +48,6 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* q, int64_t K, const fl
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) * scale[c];
-}
-
-// The 32 q of one int4 group of one channel as four vectors of eight float32 (exact small integers).
-inline void int4_values(const uint8_t* p, __m256 q[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);                     // q[0..15]
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // q[16..31]
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-// sum_k x[k] w[k] = sum_g d[g] (sum_{k in g} x[k] q[k]) + sum_g m[g] xsum[g]: the group's products with the
-// integer q, scaled once per group, and the zeros against each row's group sums (computed once a call).
-template <int R, int C>
-void int4_tile(const float* x, int64_t ldx, const float* xsum, const uint8_t* packed, const float* dm,
-               int64_t K, float* out, int64_t ldo) {
-  const int64_t groups = K / 32;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const uint8_t* ahead = packed + kAhead * C * (K / 2);
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + g * 16 * C), _MM_HINT_T0);
-    for (int c = 0; c < C; ++c) {
-      __m256 q[4];
-      int4_values(packed + c * (K / 2) + g * 16, q);
-      const __m256 d = _mm256_set1_ps(dm[c * 2 * groups + g]);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * ldx + g * 32;
-        __m256 part = _mm256_mul_ps(_mm256_loadu_ps(xg), q[0]);
-        for (int i = 1; i < 4; ++i) part = _mm256_fmadd_ps(_mm256_loadu_ps(xg + 8 * i), q[i], part);
-        acc[r][c] = _mm256_fmadd_ps(part, d, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const float* m = dm + c * 2 * groups + groups;
-      float zeros = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) zeros = std::fma(m[g], xsum[r * groups + g], zeros);
-      out[r * ldo + c] = hsum(acc[r][c]) + zeros;
-    }
 }
 
 // Runs tile(r0, R, n0, C) over [M, N]: threads split the channels in blocks of kBlock; inside a block,
@@ -152,43 +103,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return out;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "packed must be [N, K/2] uint8, contiguous");
-  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1) * 2, groups = K / 32;
-  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == N * 2 * groups,
-              "dm must be [N, 2, K/32] float32");
-  check_x(x, K, 32);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  std::vector<float> xsum(M * groups);  // each row's sum over each group, in one fixed order
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = xp + r * ldx + g * 32;
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xg), _mm256_loadu_ps(xg + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(xg + 16), _mm256_loadu_ps(xg + 24)));
-      xsum[r * groups + g] = hsum(s);
-    }
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* dp = dm.data_ptr<float>();
-  const float* sp = xsum.data();
-  float* op = out.data_ptr<float>();
-  auto tile = [&](auto R, auto C) {
-    return [&, R, C](int64_t r, int64_t n) {
-      int4_tile<decltype(R)::value, decltype(C)::value>(xp + r * ldx, ldx, sp + r * groups, pp + n * (K / 2),
-                                                        dp + n * 2 * groups, K, op + r * N + n, N);
-    };
-  };
-  using I1 = std::integral_constant<int, 1>;
-  using I4 = std::integral_constant<int, 4>;
-  run_tiles<1>(M, N, tile(I4{}, I1{}), tile(I4{}, I1{}), tile(I1{}, I4{}), tile(I1{}, I1{}));
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_linear);
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor", &int4_linear);
 }

@@ -1,4 +1,4 @@
-"""pagoda's C++ kernels for x86 CPUs with AVX2 and FMA: int8/int4 weight-only products, paged attention,
+"""pagoda's C++ kernels for x86 CPUs with AVX2 and FMA: int8 weight-only products, paged attention,
 RMSNorm and RoPE.
 
 Design note. The places where a decode step on a small CPU spends its time in torch are written here in
@@ -7,7 +7,7 @@ output element is one fixed instruction sequence over its own row's inputs, what
 the tile, the thread or the step, so a row's bits never depend on the other rows (tested at every row
 count and thread count, alone, in a crowd and after preemption).
 
-- int8/int4 products. torch's int8/int4 CPU kernels want bfloat16 activations and, without AVX-512,
+- int8 products. torch's int8/int4 CPU kernels want bfloat16 activations and, without AVX-512,
   stream the weights at a tenth of the memory bandwidth for a decode's few rows. These keep float32
   activations and accumulation and convert each weight in registers as it streams past.
 - Paged attention. The torch fold (`cpu_attention.py`) is tens of small ops a layer, most of a 1-row
@@ -101,11 +101,6 @@ def available() -> bool:
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x [T, K] float32 @ (q [N, K] int8 * scale [N] float32).T -> [T, N] float32."""
     return torch.ops.pagoda_cpu.int8_linear(x.contiguous(), q, scale)
-
-
-def int4_linear(x: Tensor, packed: Tensor, dm: Tensor) -> Tensor:
-    """x [T, K] float32 @ w.T -> [T, N] float32, w = q * d + m per group of 32 (Q4_1's nibble order; dm [N, 2, K/32])."""
-    return torch.ops.pagoda_cpu.int4_linear(x.contiguous(), packed, dm)
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,

@@ -93,12 +93,13 @@ INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
 # (pagoda/kernels/cpu_int_matmul.cpp): every output element is one fixed instruction sequence whatever
 # the row count, tile or thread, so no padding. `--quantization int8` takes it where it builds.
 # It streams about 13 GB/s on one thread; waking the second costs ~0.2 ms on the 2-core CI machine, so
-# products under 16M multiply-adds stay on one thread (docs/performance.md, "pagoda's int8 kernel").
+# products under 16M multiply-adds stay on one thread (docs/performance.md, "pagoda's C++ CPU kernels").
 INT8_AVX2 = MatmulKernel("int8_avx2", 1, quantize.int8_avx2_linear, quantize.quantize_int8_float_scales,
                          min_parallel_work=16 << 20)
 QUANTIZATIONS = ("none", "int8", "int4", "auto")  # --quantization
-# `auto` is `none`: int4/int8 win only at 1-4 rows (bf16 is ~2x faster at 16-64), and switching
-# kernels by row count would break batch invariance (docs/performance.md, "Weight formats").
+# `auto` is `none`: no int format is the fastest at every row count (int8_avx2 loses at 64 rows, torch's
+# int kernels from 16), and switching kernels by row count would break batch invariance
+# (docs/performance.md, "Weight formats" and "pagoda's C++ CPU kernels").
 AUTO_QUANTIZATION = "none"
 
 

@@ -1,4 +1,4 @@
-"""pagoda's C++ CPU kernels: the int8/int4 products multiply by the dequantized weight, and a row's bits
+"""pagoda's C++ CPU kernels: the int8 products multiply by the dequantized weight, and a row's bits
 never depend on anything else computed with it (the attention kernel's tests are in test_backends.py)."""
 
 from __future__ import annotations
@@ -18,24 +18,10 @@ def int8_case(n, k, seed=0):
     return (q, scale), q.double() * scale.double()[:, None]
 
 
-def int4_case(n, k, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    dm = torch.randn(n, 2, k // 32, generator=gen) * 0.01
-    nibbles = packed.view(n, k // 32, 16).int()
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, k).double()  # Q4_1's order
-    d, m = (dm[:, i].double().repeat_interleave(32, dim=1) for i in (0, 1))
-    return (packed, dm), q * d + m
-
-
-CASES = {"int8": (int8_case, cpu_native.int8_linear), "int4": (int4_case, cpu_native.int4_linear)}
-
-
-@pytest.mark.parametrize("fmt", CASES)
 @pytest.mark.parametrize("n, k", [(96, 576), (37, 64), (1, 1536), (2050, 32)])
-def test_the_product_is_by_the_dequantized_weight(fmt, n, k):
-    make, linear = CASES[fmt]
-    operands, w = make(n, k)
+def test_the_product_is_by_the_dequantized_weight(n, k):
+    linear = cpu_native.int8_linear
+    operands, w = int8_case(n, k)
     for rows in (1, 3, 4, 5, 9, 64):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         got = linear(x, *operands)
@@ -44,11 +30,10 @@ def test_the_product_is_by_the_dequantized_weight(fmt, n, k):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (rows, n, k)
 
 
-@pytest.mark.parametrize("fmt", CASES)
-def test_a_rows_bits_depend_on_nothing_else(fmt):
+def test_a_rows_bits_depend_on_nothing_else():
     """Every row count 1..70 (4-row tiles and their remainders), any position, any channel count, 1 or 2 threads."""
-    make, linear = CASES[fmt]
-    operands, _ = make(101, 576)  # 101 channels: full and partial tiles and blocks
+    linear = cpu_native.int8_linear
+    operands, _ = int8_case(101, 576)  # 101 channels: full and partial tiles and blocks
     gen = torch.Generator().manual_seed(1)
     probe, crowd = torch.randn(1, 576, generator=gen), torch.randn(70, 576, generator=gen)
     want = linear(probe, *operands)[0]
@@ -74,9 +59,6 @@ def test_shapes_it_cannot_take_are_refused_by_name():
         cpu_native.int8_linear(torch.randn(2, 32), q, scale)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_native.int8_linear(torch.randn(2, 64, dtype=torch.float64), q, scale)
-    (packed, dm), _ = int4_case(16, 64)
-    with pytest.raises(RuntimeError, match="dm must be"):
-        cpu_native.int4_linear(torch.randn(2, 64), packed, dm[:, :, :1].contiguous())
 
 
 def test_the_library_is_built_once_into_a_cache_keyed_by_its_source(tmp_path, monkeypatch):
