@@ -22,12 +22,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagoda"
 ALLOWED = {
     "kernels": set(),
     "core": set(),
-    "model": {"core", "kernels"},
+    "distributed": {"core"},
+    "model": {"core", "distributed", "kernels"},
     "simulator": {"core"},
     "plugins": {"core"},
     "api": {"core", "plugins"},
     "harness": {"api", "core", "model", "plugins", "simulator"},
-    "bench": {"api", "core", "harness", "kernels", "model", "plugins", "simulator"},
+    "bench": {"api", "core", "distributed", "harness", "kernels", "model", "plugins", "simulator"},
     "cli": {"api", "bench", "core", "harness", "model", "plugins", "simulator"},
 }
 # Modules that must import without torch: the simulator drives the first, any plugin loads the second.

@@ -30,14 +30,17 @@ def engine_stats(services: Services, timeout: float) -> dict[str, int] | None:
 def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHandler]:
     """/health (503 when the engine loop does not answer) and /metrics."""
     speculation = services.engine.engine.speculation.describe()
+    described = services.engine.engine.describe()  # set at start-up: how the engine runs (a tensor-parallel group)
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
-        """The engine loop's counters and queues; 503 when it cannot serve."""
-        stats = engine_stats(services, health_timeout)
-        if stats is None:
-            return Response({"status": "unavailable", "error": "the engine loop is not answering"}, status_code=503)
-        stats = {**stats, "speculation": speculation}  # set at start-up: the setting and the runner's row multiple
+        """The engine loop's counters and queues; 503, saying why, when it cannot serve."""
+        try:
+            stats = services.engine.latest_stats(stuck_after=health_timeout)
+        except EngineDeadError as exc:
+            return Response({"status": "unavailable", "error": str(exc), **described}, status_code=503)
+        # set at start-up: the setting and the runner's row multiple
+        stats = {**stats, "speculation": speculation, **described}
         if services.drain.draining:
             return Response({"status": "draining", **stats}, status_code=503)
         return Response({"status": "ok", **stats}, status_code=200)

@@ -9,7 +9,10 @@ Three measurements in one run, on the same weights and prompts:
   byte read once per step at the measured copy bandwidth (read + write bytes
   of a large torch copy, as STREAM counts);
 - with --compare-invariance, the same engine runs again with the plain
-  (not batch-invariant) matmul and attention, so the cost is measured.
+  (not batch-invariant) matmul and attention, so the cost is measured;
+- with --tensor-parallel-size N (a model directory), the engine runs on N ranks, this process their
+  rank 0, as `pagoda serve --tensor-parallel-size N` does (`pagoda bench tensor-parallel` splits a
+  step into compute and communication).
 
 Prompts are random token ids (no special tokens) and every request generates
 exactly --max-tokens tokens on both sides (EOS is ignored), so the work is equal.
@@ -30,7 +33,8 @@ from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.config import NAMED_CONFIGS, named_config
-from pagoda.model.factory import make_engine
+from pagoda.model.factory import EngineOptions, make_engine
+from pagoda.model.ranks import Ranks, WorkerSpec
 from pagoda.model.llama import build_model
 
 
@@ -59,9 +63,10 @@ def bench_config(num_prompts: int, max_len: int, *, block_size: int = EngineConf
                         max_batched_tokens=max_batched_tokens, max_model_len=max_len)
 
 
-def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None) -> Result:
+def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None, ranks=None) -> Result:
     """All prompts added at once, stepped until done: generated tokens / wall seconds."""
-    engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens), backend=backend)
+    engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens), backend=backend,
+                         ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompts[0], params)
     start = time.perf_counter()
@@ -71,9 +76,9 @@ def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: st
     return Result(name, generated, time.perf_counter() - start)
 
 
-def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None) -> Result:
+def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None, ranks=None) -> Result:
     """One request: decode steps only, tokens per second from the median step time."""
-    engine = make_engine(model, bench_config(1, len(prompt) + max_tokens), backend=backend)
+    engine = make_engine(model, bench_config(1, len(prompt) + max_tokens), backend=backend, ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompt, params)
     engine.add_request("solo", prompt, params)
@@ -147,10 +152,8 @@ def render(rows: list[tuple[str, str, str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pagoda.model.hub import resolve_model
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype, weight_format
+    from pagoda.model.loader import load_model, load_shard, resolve_device, resolve_dtype
     from pagoda.model.matmul import quantized_matmul
-    from pagoda.kernels import select_backend
-    from pagoda.bench.kernels import measure_copy_bandwidth
 
     p = argparse.ArgumentParser(prog="pagoda bench offline", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default",
@@ -164,7 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--compare-invariance", action="store_true", help="also run the plain, not batch-invariant kernels")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="run the engine on N ranks (gloo on the CPU, NCCL on CUDA), as pagoda serve does")
     args = p.parse_args(argv)
+    if args.tensor_parallel_size > 1 and (args.model in NAMED_CONFIGS or args.compare_invariance):
+        p.error("--tensor-parallel-size needs a model directory (every rank loads its shard) and no "
+                "--compare-invariance")
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -184,17 +192,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return load_model(resolve_model(args.model), dtype=dtype, device=device, max_positions=max_len, matmul=matmul,
                           quantization=quantization)
 
-    model, config = load()
+    ranks = None
+    if args.tensor_parallel_size > 1:
+        model_dir = resolve_model(args.model)
+        options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype,
+                                quantization=args.quantization, max_model_len=max_len,
+                                tensor_parallel_size=args.tensor_parallel_size)
+        ranks = Ranks.start(options.parallel, device.type, WorkerSpec(str(model_dir), options))
+        model = load_shard(model_dir, options, ranks.group, 0)
+        config = model.config
+    else:
+        model, config = load()
+    try:
+        return _run(args, model, config, device, dtype, load, ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()
+
+
+def _run(args, model, config, device, dtype, load, ranks) -> int:
+    from pagoda.bench.kernels import measure_copy_bandwidth
+    from pagoda.kernels import select_backend
+    from pagoda.model.hub import resolve_model
+    from pagoda.model.loader import weight_format
+
+    lengths = [int(n) for n in args.prompt_lens.split(",")]
     prompts = make_prompts(config.vocab_size, lengths, args.num_prompts, args.seed)
     print(f"model {args.model}: {config.num_parameters() / 1e6:.0f}M parameters, {device}, "
           f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; {args.num_prompts} prompts of "
-          f"{args.prompt_lens} tokens, {args.max_tokens} new tokens each", flush=True)
+          f"{args.prompt_lens} tokens, {args.max_tokens} new tokens each"
+          + (f"; tensor parallel {ranks.group.size} ({ranks.group.backend})" if ranks else ""), flush=True)
 
-    ours = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {args.num_prompts} prompts at once")
-    solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode")
+    ours = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {args.num_prompts} prompts at once",
+                             ranks=ranks)
+    solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode", ranks=ranks)
     rss = resident_bytes()  # the packed weights (plain copies freed) and two KV pools, before the copy test
     copy_bw = measure_copy_bandwidth(device, 256 << 20)
-    floor_s = weight_bytes(model) / copy_bw
+    floor_s = weight_bytes(model) / copy_bw  # under TP, rank 0's shard: each rank streams its own
     rows = [(ours.name, f"{ours.tokens_per_s:.1f}", ""),
             (solo.name, f"{solo.tokens_per_s:.1f}",
              f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "

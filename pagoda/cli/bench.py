@@ -20,6 +20,7 @@ BENCHMARKS = {
     "speculative": "pagoda.bench.speculative",
     "roofline": "pagoda.bench.roofline",
     "step-parts": "pagoda.bench.step_parts",
+    "tensor-parallel": "pagoda.bench.tensor_parallel",
 }
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pagoda.cli.parallel_option import add_parallel_options, parallel_fields
 from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
 
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not look the prompt up in the prefix cache")
     add_speculative_option(p)
+    add_parallel_options(p)
     p.set_defaults(func=run)
 
 
@@ -38,10 +40,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
-        engine, tokenizer, prompt_ids = _build(args, params)
+        built = _build(args, params)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pagoda generate: {exc}", file=sys.stderr)
         return 2
+    if isinstance(built, int):  # a torchrun rank other than 0: it worked for rank 0, and is done
+        return built
+    engine, tokenizer, prompt_ids = built
+    try:
+        return _generate(engine, prompt_ids, params)
+    finally:
+        engine.close()  # a tensor-parallel group's ranks stop
+
+
+def _generate(engine, prompt_ids: list[int], params) -> int:
     engine.add_request("generate", prompt_ids, params)
     start = time.perf_counter()
     first_token_at = None
@@ -67,6 +79,7 @@ def _build(args: argparse.Namespace, params):
     """Load the model and tokenizer; an Engine whose pool holds exactly this one request."""
     from pagoda.core.tokenizer import Tokenizer
     from pagoda.model.config import ModelConfig
+    from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import EngineOptions, load_engine
     from pagoda.model.hub import resolve_model
 
@@ -90,7 +103,10 @@ def _build(args: argparse.Namespace, params):
                             num_blocks=-(-total // args.block_size), max_running=1,
                             max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
                             max_model_len=total, enable_prefix_caching=args.prefix_caching,
-                            speculative=args.speculative)
+                            speculative=args.speculative, **parallel_fields(args))
+    status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
+    if status is not None:
+        return status
     return load_engine(model_dir, tokenizer, options), tokenizer, prompt_ids
 
 

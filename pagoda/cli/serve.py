@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pagoda.api.settings import ServeSettings
+from pagoda.cli.parallel_option import add_parallel_options, parallel_fields
 from pagoda.cli.plugins import add_disable_option
 from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
@@ -22,6 +23,9 @@ from pagoda.model.factory import EngineOptions, generation_defaults
 from pagoda.plugins.request_fields import RequestLimits
 
 API_KEY_ENV = "PAGODA_API_KEY"
+# After a tensor-parallel rank is lost, /health says why (503) for this long, then the server exits 1
+# (docs/distributed.md): long enough for a load balancer's probe to read the reason.
+FAILED_GROUP_LINGER_S = 5.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="output tokens one request may ask for (default: whatever fits the context)")
     p.add_argument("--log-level", default=ServeSettings.log_level, choices=("debug", "info", "warning", "error"))
     add_speculative_option(p)
+    add_parallel_options(p)
     add_disable_option(p)
     p.set_defaults(func=run)
 
@@ -89,7 +94,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
-                         speculative=args.speculative)
+                         speculative=args.speculative, **parallel_fields(args))
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -115,16 +120,21 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.api.drain import drain
     from pagoda.api.server import run_server
     from pagoda.core.async_engine import AsyncEngine
+    from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import build_engine
+    from pagoda.model.hub import resolve_model
     from pagoda.plugins.manager import PluginError, load_plugins
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         options = engine_options(args)
+        status = serve_as_worker(resolve_model(options.model), options)  # under torchrun, a rank other than 0
+        if status is not None:
+            return status
         plugins = load_plugins(disabled=args.disable_plugin)
         engine, tokenizer, model_dir = build_engine(options)
         settings = serve_settings(args, model_dir)
-        async_engine = AsyncEngine(engine)
+        async_engine = AsyncEngine(engine, on_crash=_exit_after_lost_rank)
         app = create_app(async_engine, tokenizer, plugins, settings)
     except (ValueError, FileNotFoundError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
@@ -142,4 +152,20 @@ def run(args: argparse.Namespace) -> int:
 
     run_server(app, settings.host, settings.port, ready, send_buffer=settings.send_buffer_size, drain=drain_server,
                log_level=settings.log_level)
+    if async_engine.failure is not None:
+        print(f"pagoda serve: the engine stopped: {async_engine.failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _exit_after_lost_rank(failure: BaseException) -> None:
+    """A tensor-parallel group that lost a rank cannot serve again: say so on /health a while, then exit."""
+    import signal
+    import threading
+
+    from pagoda.core.batch import RunnerLost
+
+    if isinstance(failure, RunnerLost):
+        logging.getLogger("pagoda.api").error("%s; /health says so for %g s, then the server exits", failure,
+                                              FAILED_GROUP_LINGER_S)
+        threading.Timer(FAILED_GROUP_LINGER_S, signal.raise_signal, (signal.SIGTERM,)).start()

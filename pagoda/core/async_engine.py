@@ -17,6 +17,11 @@ and refused when that step has run too long (a stuck loop is not healthy). An ab
 queued and applied at the next step, so reading the pool from another thread
 right after a caller left races that step; asking the loop thread does not.
 
+A runner that loses part of itself (a tensor-parallel rank) cannot step again: its
+`RunnerLost`, raised by a step or reported between steps (`lose`), ends the loop the
+way a crash does: every caller is failed, /health says why, the runner is closed, and
+`on_crash` (the server's exit, pagoda/cli/serve.py) is called.
+
 The abort of a request lives in one place: the `finally` of `generate`. A
 caller that stops consuming before the request finished (the task is
 cancelled, the iterator is closed or dropped, an exception escapes) aborts it.
@@ -58,8 +63,10 @@ class RequestAborted(RuntimeError):
 class AsyncEngine:
     """Runs an `Engine` on a dedicated thread; `generate` streams each request's outputs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_crash: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_crash = on_crash  # called on the loop thread once the loop has died and failed its callers
+        self._lost: BaseException | None = None  # a loss the runner reported between steps (guarded by _cond)
         self._cond = threading.Condition()
         self._commands: deque[Command] = deque()  # guarded by _cond
         self._stopping = False  # guarded by _cond
@@ -82,6 +89,15 @@ class AsyncEngine:
         self._snapshot = self.engine.stats()  # the loop thread is not running yet: this thread may read
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
+        watch = getattr(self.engine.runner, "watch", None)
+        if watch is not None:
+            watch(self.lose)
+
+    def lose(self, failure: BaseException) -> None:
+        """From any thread: the runner cannot step again; the loop ends as if its step had raised `failure`."""
+        with self._cond:
+            self._lost = failure
+            self._cond.notify()
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Abort every live request, stop the loop thread and wait for it (blocking)."""
@@ -94,6 +110,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the loop died, if it did."""
+        return self._failure
 
     # -- requests ------------------------------------------------------
     async def generate(
@@ -208,7 +229,8 @@ class AsyncEngine:
             while self._turn():
                 pass
             self._shutdown()
-        except BaseException as exc:  # a bug in the engine: fail every caller instead of hanging them
+            self._close_engine()
+        except BaseException as exc:  # a bug in the engine, or a lost runner: fail every caller instead of hanging
             logger.exception("the engine loop crashed")
             with self._cond:
                 self._failure = exc
@@ -219,12 +241,24 @@ class AsyncEngine:
                 if command.answer is not None:
                     settle(command.answer, error, failed=True)
             self._fail_everyone(error)
+            self._close_engine()
+            if self.on_crash is not None:
+                self.on_crash(exc)
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception("closing the engine's runner failed")
 
     def _turn(self) -> bool:
         """Run queued commands, then one step if there is work; False once stopping."""
         with self._cond:
-            while not self._commands and not self._stopping and not self.engine.has_unfinished():
+            while (not self._commands and not self._stopping and not self.engine.has_unfinished()
+                   and self._lost is None):
                 self._cond.wait()
+            if self._lost is not None:
+                raise self._lost
             commands = list(self._commands)
             self._commands.clear()
             stopping = self._stopping

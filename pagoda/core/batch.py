@@ -84,8 +84,17 @@ class RunnerOutput:
     logits: Any
 
 
+class RunnerLost(RuntimeError):
+    """The runner cannot run another step (a tensor-parallel rank is gone): the engine stops, not just the batch."""
+
+
 class ModelRunner(Protocol):
-    """What computes logits: the torch model runner and the simulator's fake model both implement it."""
+    """What computes logits: the torch model runner and the simulator's fake model both implement it.
+
+    A runner that holds more than its own process (a tensor-parallel group) may also have `close()`
+    (end what it holds), `watch(on_lost)` (report a loss between steps) and `describe()` (its part of
+    /health); the engine calls them where they exist.
+    """
 
     vocab_size: int
     row_multiple: int  # the runner pads a step's rows to a multiple of this (1: no padding); drafts fill it

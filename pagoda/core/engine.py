@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core import speculative
-from pagoda.core.batch import ModelRunner, ScheduledChunk, SchedulerOutput
+from pagoda.core.batch import ModelRunner, RunnerLost, ScheduledChunk, SchedulerOutput
 from pagoda.core.constraint import Constraint
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
@@ -150,6 +150,8 @@ class Engine:
         self.counters.steps_total += 1
         try:
             logits = self.runner.execute(batch).logits
+        except RunnerLost:
+            raise  # no step can run again: whoever owns the engine ends every request (core/async_engine.py)
         except Exception as exc:  # one failed forward must not take the server down
             return outputs + self._fail(batch, exc)
         self._advance(batch, started)
@@ -276,6 +278,12 @@ class Engine:
         self.counters.failed_total += 1
         return AnswerDelta.of(request, [], "", error=f"{type(exc).__name__}: {exc}")
 
+    def close(self) -> None:
+        """End what the runner holds beyond this process (a tensor-parallel group's ranks); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     # -- what the outside may ask --------------------------------------
     def audit(self) -> None:
         """The ledger audit (raises AuditError); call between steps."""
@@ -303,3 +311,8 @@ class Engine:
             "steps_total": c.steps_total,
             **self.spec_counters.stats(),
         }
+
+    def describe(self) -> dict[str, Any]:
+        """What /health says of how the engine runs, beyond its counters (a tensor-parallel group)."""
+        describe = getattr(self.runner, "describe", None)
+        return describe() if describe is not None else {}

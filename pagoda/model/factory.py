@@ -8,6 +8,11 @@
   and tests); the runner's KV pool is the config's, given once.
 - `engine_config(options, model_config, kv_dtype, device)`: the EngineConfig the options make for a
   model (the context and the pool sized from memory where the options leave them open).
+- `load_shard(model_dir, options, group)` (pagoda/model/loader.py): one rank's part of the model (all of it
+  alone), which rank 0 and the worker ranks of a tensor-parallel group load alike (pagoda/model/ranks.py).
+
+With --tensor-parallel-size N (or under torchrun) `load_engine` forms the group first, as its rank 0,
+and the engine runs on a `TensorParallelRunner`; `Engine.close()` ends the group.
 
 The pool and batch defaults are `EngineConfig`'s field defaults; `EngineOptions` and the command
 line read them from there. Every engine made here runs on the process's CPU set-up
@@ -28,10 +33,14 @@ from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
 from pagoda.core.machine import configure_threads
 from pagoda.core.tokenizer import Tokenizer
+from pagoda.distributed.group import SOLO, TensorGroup
+from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec, group_size
 from pagoda.kernels import AttentionBackend
 from pagoda.model.config import ModelConfig
 from pagoda.model.llama import Transformer
-from pagoda.model.runner import TorchModelRunner, auto_num_blocks
+from pagoda.model.loader import context_length, load_shard
+from pagoda.model.runner import TensorParallelRunner, TorchModelRunner, auto_num_blocks
+from pagoda.model.shard import ShardPlan
 
 logger = logging.getLogger("pagoda.model")
 
@@ -53,9 +62,18 @@ class EngineOptions:
     max_waiting: int | None = EngineConfig.max_waiting  # --max-waiting: a fuller queue refuses new requests (429)
     # --speculative-config: n-gram drafts in the padded rows (on by default, as EngineConfig's); None = off
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding one model's shards
+    distributed_backend: str | None = None  # --distributed-backend gloo|nccl (None: by the device)
+    distributed_timeout: float = 60.0  # --distributed-timeout: seconds a collective may wait for a rank
+
+    @property
+    def parallel(self) -> ParallelOptions:
+        return ParallelOptions(self.tensor_parallel_size, self.distributed_backend, self.distributed_timeout)
 
     def __post_init__(self) -> None:
         from pagoda.model.matmul import QUANTIZATIONS
+
+        self.parallel  # noqa: B018  (validates the three distributed options)
 
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
@@ -70,21 +88,15 @@ class EngineOptions:
 
 
 def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (),
-                tokenizer: Tokenizer | None = None, backend: AttentionBackend | None = None) -> Engine:
-    """An Engine over a built model, its runner's KV pool sized by `config`."""
+                tokenizer: Tokenizer | None = None, backend: AttentionBackend | None = None,
+                ranks: Ranks | None = None) -> Engine:
+    """An Engine over a built model, its runner's KV pool sized by `config` (on the group of `ranks`, if given)."""
     configure_threads()
-    runner = TorchModelRunner(model, config, backend=backend)
+    runner = (TorchModelRunner(model, config, backend=backend) if ranks is None
+              else TensorParallelRunner(model, config, ranks, backend=backend))
     engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
     logger.info("speculative decoding %s", engine.speculation.reason)
     return engine
-
-
-def context_length(options: EngineOptions, model_config: ModelConfig) -> int:
-    """Prompt + output tokens of one request: --max-model-len, at most the model's context (its default)."""
-    context = model_config.max_position_embeddings
-    if options.max_model_len is not None and options.max_model_len > context:
-        raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
-    return options.max_model_len or context
 
 
 def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: torch.dtype,
@@ -101,21 +113,35 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
-    """Load the model in `model_dir` and make an Engine over it with the options' pool and limits."""
-    from pagoda.model.loader import load_model, resolve_device, resolve_dtype, weight_format
+    """Load the model in `model_dir` and make an Engine over it with the options' pool and limits.
 
+    With a tensor-parallel group (--tensor-parallel-size N, or torchrun's), this process is its rank 0:
+    the other ranks are started (or joined) first, each loads its own shard, and this one sends them the
+    engine's configuration; `Engine.close()` ends the group."""
+    from pagoda.model.loader import resolve_device, weight_format
+
+    size = group_size(options.parallel)
+    model_config = ModelConfig.from_file(model_dir)
+    context_length(options, model_config)
+    ShardPlan.of(model_config, 0, size)  # a group the model cannot be split over is refused before any rank starts
     device = resolve_device(options.device)
-    dtype = resolve_dtype(options.dtype, device)
-    max_positions = context_length(options, ModelConfig.from_file(model_dir))  # refused before any weight loads
-    model, model_config = load_model(model_dir, dtype=dtype, device=device, max_positions=max_positions,
-                                     quantization=options.quantization)
-    kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
-    config = engine_config(options, model_config, kv_dtype, device)
     eos = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *model_config.eos_token_ids)))
-    logger.info("model %s on %s: weights %s, KV cache %s, %d KV blocks of %d tokens, context %d, prefix caching %s",
+    grouped = size > 1 or options.distributed_backend is not None  # a group of one: the collectives' code path
+    ranks = Ranks.start(options.parallel, device.type, WorkerSpec(str(model_dir), options)) if grouped else None
+    try:
+        model = load_shard(model_dir, options, ranks.group if ranks else SOLO, 0 if ranks else None)
+        kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
+        config = engine_config(options, model_config, kv_dtype, device)
+        engine = make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    parallel = f", tensor parallel {size} ({ranks.group.backend})" if ranks else ""
+    logger.info("model %s on %s: weights %s, KV cache %s, %d KV blocks of %d tokens, context %d, prefix caching %s%s",
                 model_dir, device, weight_format(model), str(kv_dtype).removeprefix("torch."), config.num_blocks,
-                config.block_size, config.max_model_len, "on" if config.enable_prefix_caching else "off")
-    return make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer)
+                config.block_size, config.max_model_len, "on" if config.enable_prefix_caching else "off", parallel)
+    return engine
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -15,6 +15,11 @@ gate/up are stored stacked (`qkv_proj`, `gate_up_proj`): one matrix product
 instead of three or two (`loader.load_weights` maps the checkpoint's names).
 Every product runs on the model's `MatmulKernel` (`matmul.py`).
 
+Under tensor parallelism a model holds one rank's shard (`shard.py`: whole heads, part of the
+intermediate size and of the vocabulary) and sums its partial results with the other ranks'
+through its `TensorGroup`: after o_proj, after down_proj and after the embedding lookup; its
+logits are gathered on rank 0. A group of one holds the whole model and never communicates.
+
 `reference_forward` is the plain path beside the paged one: dense causal
 attention over one sequence, used by tests as the oracle.
 """
@@ -29,8 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pagoda.distributed.group import SOLO, TensorGroup
 from pagoda.kernels import cpu_native
 from pagoda.model.config import ModelConfig
+from pagoda.model.shard import ShardPlan
 from pagoda.model.matmul import ONEDNN_BF16, PLAIN, Linear, MatmulKernel, PackedWeight, select_matmul
 
 
@@ -124,15 +131,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+    """This rank's heads (all of them in a group of one): q/k/v column-parallel, o row-parallel."""
+
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+                 **factory: Any) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.scale = self.head_dim ** -0.5
+        self.group = group
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, matmul, **factory)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, matmul, **factory)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias and shard.adds_row_bias, matmul,
+                             **factory)
 
     def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # qkv: the projection of x [Tp, H], over all Tp rows (its row count is what keeps it batch invariant)
@@ -155,7 +166,7 @@ class Attention(nn.Module):
         out = out.reshape(n, self.q_size)
         if x.shape[0] > n:  # padding rows carry zeros into o_proj
             out = torch.cat((out, out.new_zeros(x.shape[0] - n, self.q_size)))
-        return ctx.threads.linear(self.o_proj, out)
+        return self.group.all_reduce(ctx.threads.linear(self.o_proj, out))
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Plain causal attention over one whole sequence x [T, H] (the test oracle)."""
@@ -164,29 +175,35 @@ class Attention(nn.Module):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants [heads, T, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.q_size))
+        return self.group.all_reduce(self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+    """This rank's part of the intermediate size: gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+                 **factory: Any) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, matmul, **factory)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, matmul, **factory)
+        self.intermediate_size = shard.intermediate_size
+        self.group = group
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, config.mlp_bias, matmul, **factory)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, config.mlp_bias and shard.adds_row_bias,
+                                matmul, **factory)
 
     def forward(self, x: Tensor, threads: LinearThreads = SAME_THREADS) -> Tensor:
         # x: [T, H] -> gate, up: [T, I] -> [T, H]
         gate, up = threads.linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return threads.linear(self.down_proj, F.silu(gate).mul_(up))
+        return self.group.all_reduce(threads.linear(self.down_proj, F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+                 **factory: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(config, matmul, **factory)
+        self.self_attn = Attention(config, matmul, shard, group, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.mlp = MLP(config, matmul, **factory)
+        self.mlp = MLP(config, matmul, shard, group, **factory)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
         # the residual adds land in the sublayers' fresh outputs (a + x is x + a, bit for bit)
@@ -194,28 +211,52 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), ctx.threads).add_(h)
 
 
+class VocabEmbedding(nn.Embedding):
+    """The embedding of this rank's part of the vocabulary (all of it in a group of one).
+
+    A vocab-parallel lookup: ids outside the part look up its first row and are zeroed, and the
+    group sums the ranks' rows, exactly (the one real row plus zeros)."""
+
+    def __init__(self, shard: ShardPlan, hidden_size: int, group: TensorGroup, **factory: Any) -> None:
+        super().__init__(shard.vocab_size, hidden_size, **factory)
+        self.start, self.end = shard.vocab
+        self.group = group
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if not self.group.communicates:
+            return super().forward(ids)
+        inside = (ids >= self.start) & (ids < self.end)
+        rows = super().forward(torch.where(inside, ids - self.start, 0))
+        return self.group.all_reduce(rows.mul_(inside.unsqueeze(-1).to(rows.dtype)))
+
+
 class DecoderStack(nn.Module):
     """Embedding, layers and final norm: named like HF's `model.*`."""
 
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
+    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+                 **factory: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, matmul, **factory) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(shard, config.hidden_size, group, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(config, matmul, shard, group, **factory)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None, *, matmul: MatmulKernel = PLAIN,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 shard: ShardPlan | None = None, group: TensorGroup = SOLO) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = config
         self.matmul = matmul
+        self.shard = shard or ShardPlan.whole(config)  # what this rank holds (everything in a group of one)
+        self.group = group
         self.max_positions = max_positions or config.max_position_embeddings
-        self.model = DecoderStack(config, matmul, **factory)
+        self.model = DecoderStack(config, matmul, self.shard, group, **factory)
         self.lm_head = None  # tied: the LM head is the embedding matrix
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, matmul, **factory)
+            self.lm_head = Linear(config.hidden_size, self.shard.vocab_size, False, matmul, **factory)
         self.lm_head_packed = PackedWeight(matmul)
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
@@ -266,10 +307,11 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, kv_cache, ctx)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32."""
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32 (on rank 0; None on the others)."""
         # the LM head may run on its own kernel (a float head over int4 layers): lm_head_packed's
-        return self.lm_head_packed.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None).float()
+        logits = self.lm_head_packed.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None)
+        return self.group.gather_first(logits.float(), list(self.shard.vocab_sizes))
 
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         """Dense, unpaged forward of one sequence: input_ids [T] -> logits [T, V] (the test oracle)."""
@@ -291,10 +333,12 @@ class Transformer(nn.Module):
 
 
 def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                max_positions: int | None = None, matmul: MatmulKernel | str | None = None) -> Transformer:
+                max_positions: int | None = None, matmul: MatmulKernel | str | None = None,
+                shard: ShardPlan | None = None, group: TensorGroup = SOLO) -> Transformer:
     """A Transformer with uninitialised weights allocated directly on `device` (fill with load_weights).
 
     `matmul` defaults to `select_matmul(device, dtype)`; a name picks one of the kernels.
+    `shard` and `group`: this rank's part of a tensor-parallel model (default: all of it, alone).
     On a CPU with native bfloat16 products, bfloat16 means bfloat16 weights (`onednn_bf16`, packed by
     the runner) and a float32 model around them: the CPU's elementwise ops and attention are slower in
     bfloat16 than in float32, and float32 activations, norms and KV cache keep the rounding to the weights.
@@ -303,7 +347,7 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
         matmul = select_matmul(device, dtype, matmul)
     if matmul is ONEDNN_BF16:
         dtype = torch.float32  # the kernel holds the bfloat16 copy of each weight
-    model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta")
+    model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta", shard=shard, group=group)
     model.to_empty(device=device)
     model.init_rope()
     return model.eval().requires_grad_(False)

@@ -4,6 +4,9 @@ A directory holds either one `model.safetensors` or shards listed by
 `model.safetensors.index.json`. Tensors are read one at a time and copied
 straight into parameters already allocated on the target device in the
 target dtype, so peak memory is the model plus one tensor.
+
+A tensor-parallel rank reads only its shard of each tensor (`ShardPlan`'s rows or
+columns, through safetensors' slices): its own memory is its shard plus one tensor's shard.
 """
 
 from __future__ import annotations
@@ -11,15 +14,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from pagoda.distributed.group import SOLO, TensorGroup
 from pagoda.model.config import ModelConfig
 from pagoda.model.gguf_import import Q4_1_BLOCKS_FILE
 from pagoda.model.llama import Transformer, build_model
 from pagoda.model.matmul import INT4, ONEDNN_BF16, Linear, PackedWeight, has_onednn_bf16, quantized_matmul, select_matmul
 from pagoda.model.quantize import int4_from_q4_1
+from pagoda.model.shard import ShardPlan
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -81,12 +87,34 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}")
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file, read lazily on the CPU."""
+def iter_checkpoint(files: list[Path], shard: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, read lazily on the CPU; with `shard`, only its part."""
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as reader:
             for name in reader.keys():
-                yield name, reader.get_tensor(name)
+                if shard is None or shard.size == 1:
+                    yield name, reader.get_tensor(name)
+                elif (part := read_shard(reader, name, shard)) is not None:
+                    yield name, part
+
+
+def read_shard(reader: Any, name: str, shard: ShardPlan, *, per: int = 1) -> torch.Tensor | None:
+    """The part of checkpoint tensor `name` that `shard` holds (None: a row-parallel bias another rank adds).
+
+    `per` > 1 reads a blocked tensor whose second axis holds blocks of `per` input columns (Q4_1's 32);
+    a column range that does not fall on block bounds is None too (the rank quantizes its shard itself)."""
+    parts = name.rsplit(".", 2)
+    proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+    sliced = reader.get_slice(name)
+    if (rows := shard.rows(proj)) is not None:
+        return sliced[rows[0]:rows[1]]
+    if (cols := shard.columns(proj)) is not None:
+        if kind == "bias":
+            return sliced[:] if shard.adds_row_bias else None
+        if cols[0] % per or cols[1] % per:
+            return None
+        return sliced[:, cols[0] // per:cols[1] // per]
+    return sliced[:]
 
 
 def load_model(
@@ -97,13 +125,16 @@ def load_model(
     matmul: str | None = None,
     quantization: str = "none",
     lm_head: str | None = None,
+    shard: ShardPlan | None = None,
+    group: TensorGroup = SOLO,
 ) -> tuple[Transformer, ModelConfig]:
     """Load an HF directory into a Transformer on `device` in `dtype` ('auto' picks per device).
 
     `max_positions` bounds the RoPE table (default: the config's context);
     `matmul` names a MatmulKernel (default: the batch-invariant one for the device, or the quantization's);
     `quantization` int8/int4 is a weight format of the linear layers (the rest of the model is float32),
-    the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD).
+    the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD);
+    `shard` and `group`: one tensor-parallel rank's part of the model, read alone (default: all of it).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -114,11 +145,12 @@ def load_model(
     kernel = quantized_matmul(quantization, device)
     if kernel is None:
         model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
-                            matmul=matmul)
+                            matmul=matmul, shard=shard, group=group)
     else:
         if matmul is not None:  # another kernel of the same format (benchmarks compare them)
             kernel = select_matmul(device, name=matmul)
-        model = build_model(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel)
+        model = build_model(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel,
+                            shard=shard, group=group)
         head = lm_head or DEFAULT_LM_HEAD[kernel.name]
         if head not in LM_HEAD_FORMATS:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {head!r}")
@@ -127,7 +159,7 @@ def load_model(
         elif head != quantization and (head_kernel := quantized_matmul(head, device)) is not kernel:
             model.lm_head_packed = PackedWeight(head_kernel)
     try:
-        load_weights(model, iter_checkpoint(files))
+        load_weights(model, iter_checkpoint(files, model.shard))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
     if kernel is INT4:
@@ -157,7 +189,10 @@ def adopt_q4_1_blocks(model: Transformer, model_dir: Path) -> int:
             parts = hf_names(name)
             if not all(p in stored for p in parts):
                 continue  # another GGUF type: quantized from float at packing
-            blocks = torch.cat([reader.get_tensor(p) for p in parts])  # [out, in/32, 20], stacked rows
+            shards = [read_shard(reader, p, model.shard, per=32) for p in parts]
+            if any(b is None for b in shards):
+                continue  # this rank's columns split a block: quantized from its float shard at packing
+            blocks = torch.cat(shards)  # [out, in/32, 20], stacked rows
             if blocks.shape[0] != weight.shape[0] or blocks.shape[1] * 32 != weight.shape[1]:
                 raise ValueError(f"{path}: blocks of {name} have shape {tuple(blocks.shape)}, weight {tuple(weight.shape)}")
             packed.adopt(int4_from_q4_1(blocks), weight)
@@ -172,7 +207,7 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
             continue  # derived from the config / the tied embedding
-        target, rows = _stacked_target(model.config, name)
+        target, rows = _stacked_target(model.shard, name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
         dest = params[target].data if rows is None else params[target].data[rows]
@@ -185,12 +220,12 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def _stacked_target(config: ModelConfig, name: str) -> tuple[str, slice | None]:
+def _stacked_target(shard: ShardPlan, name: str) -> tuple[str, slice | None]:
     """Map an HF tensor name to (our parameter, the rows it fills): q/k/v and gate/up are stacked."""
     parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
     if len(parts) == 3:
         prefix, proj, kind = parts
-        q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+        q, kv, inter = shard.q_size, shard.kv_size, shard.intermediate_size  # this rank's heads and part
         stacked = {
             "q_proj": ("qkv_proj", slice(0, q)),
             "k_proj": ("qkv_proj", slice(q, q + kv)),
@@ -214,3 +249,25 @@ def hf_names(name: str) -> list[str]:
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     prefix, proj, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
     return [f"{prefix}.{p}.{kind}" for p in parts[proj]] if proj in parts else [name]
+
+
+def context_length(options: Any, model_config: ModelConfig) -> int:
+    """Prompt + output tokens of one request: --max-model-len, at most the model's context (its default)."""
+    context = model_config.max_position_embeddings
+    if options.max_model_len is not None and options.max_model_len > context:
+        raise ValueError(f"max_model_len {options.max_model_len} exceeds the model's context of {context} tokens")
+    return options.max_model_len or context
+
+
+def load_shard(model_dir: Path, options: Any, group: TensorGroup = SOLO,
+               local_rank: int | None = None) -> Transformer:
+    """The part of the model in `model_dir` that `group`'s rank holds (all of it in a group of one)."""
+    device = resolve_device(options.device)
+    if device.type == "cuda" and local_rank is not None:
+        device = torch.device("cuda", local_rank)
+    model_config = ModelConfig.from_file(model_dir)
+    max_positions = context_length(options, model_config)  # refused before any weight loads
+    shard = ShardPlan.of(model_config, group.rank, group.size)  # refuses a group larger than the KV heads
+    model, _ = load_model(model_dir, dtype=resolve_dtype(options.dtype, device), device=device,
+                          max_positions=max_positions, quantization=options.quantization, shard=shard, group=group)
+    return model

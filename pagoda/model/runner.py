@@ -40,15 +40,21 @@ thread: one thread was as fast or faster at every decode point of 1-64
 sequences of 64-4096 tokens but one (64 x 1024, 0.59M score elements: 1.15x
 slower), 170 against 190 ms at 64 x 4096 (2.4M) (`pagoda bench kernels
 --threads 1` against `--threads 2`, docs/performance.md).
+
+Tensor parallelism. A step is first reduced to its `StepPlan`: the plain lists (token ids,
+lengths, block tables, the rows that sample) everything after depends on. A
+`TensorParallelRunner` (rank 0's) sends the plan to the other ranks in one broadcast and runs
+it; every other rank receives it and runs the same `run` on its shard (pagoda/distributed).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,6 +70,25 @@ from pagoda.model.llama import StepContext, Transformer
 SMALL_ROWS = 256
 # a step's attention with at most this many score elements (heads x queries x keys) runs on one thread
 SMALL_ATTENTION = 1 << 21
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step's forward needs of its batch, as plain lists: the message rank 0 sends each step."""
+
+    query_lens: list[int]  # rows per chunk: its new tokens, then its drafts
+    seq_lens: list[int]  # tokens in the cache after the step, per chunk
+    block_tables: list[tuple[int, ...]]
+    token_ids: list[int]  # every chunk's rows, concatenated
+    logits_rows: list[int]  # rows of logits each chunk wants (0: a chunk that does not sample)
+
+    @classmethod
+    def of(cls, batch: SchedulerOutput) -> StepPlan:
+        chunks = batch.chunks
+        return cls(query_lens=[c.num_rows for c in chunks], seq_lens=[c.start + c.num_rows for c in chunks],
+                   block_tables=[c.block_table for c in chunks],
+                   token_ids=list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
+                   logits_rows=[c.num_logits_rows if c.samples else 0 for c in chunks])
 
 
 @dataclass
@@ -94,37 +119,40 @@ class TorchModelRunner:
         self.small_rows, self.small_attention = SMALL_ROWS, SMALL_ATTENTION  # its thresholds (benchmarks vary them)
         # the LM head's kernel may differ from the layers' (a float head over int4 layers)
         self.row_multiple = row_multiple or max(model.matmul.row_multiple, model.lm_head_packed.matmul.row_multiple)
-        c = self.model_config
-        shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        c, shard = self.model_config, model.shard
+        shape = (self.num_blocks, self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""
         if batch.is_empty:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
-        inputs = self.prepare(batch)
+        logits = self.run(StepPlan.of(batch))
+        return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device) if logits is None else logits)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> Tensor | None:
+        """The forward of one step's plan: its KV written, float32 logits [sample rows, V] (None: none sample,
+        or this rank is not the one that samples)."""
+        inputs = self.prepare(plan)
         with inputs.threads.step():  # a small CPU step: on one thread, but for its linear layers
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)  # [Tp, H]
         if inputs.num_samples == 0:  # only partial prefill chunks this step
-            return RunnerOutput(logits=torch.empty(0, self.vocab_size, device=self.device))
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [Sp, V]
-        return RunnerOutput(logits=logits[: inputs.num_samples])
+            return None
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [Sp, V] (rank 0's)
+        return None if logits is None else logits[: inputs.num_samples]
 
-    def prepare(self, batch: SchedulerOutput) -> StepInputs:
+    def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the chunks into padded token rows and build the step's attention metadata."""
-        chunks = batch.chunks
         # positions and cache slots come from the metadata builder, with tensor ops, not a loop per token
         # a chunk's rows are its own new tokens, then its drafts (core/speculative.py): a causal chunk like any
-        meta = AttentionMetadata.build([c.num_rows for c in chunks], [c.start + c.num_rows for c in chunks],
-                                       [c.block_table for c in chunks], self.block_size, self.device)
+        meta = AttentionMetadata.build(plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, self.device)
         num_tokens = meta.num_tokens
         padded = _round_up(num_tokens, self.row_multiple)
-        token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-        token_ids += [0] * (padded - num_tokens)
+        token_ids = plan.token_ids + [0] * (padded - num_tokens)
         positions = torch.cat((meta.positions, meta.positions.new_zeros(padded - num_tokens)))  # [Tp]
         ends = meta.query_start_loc_cpu[1:]
-        sample_rows = [row for end, c in zip(ends, chunks) if c.samples for row in range(end - c.num_logits_rows, end)]
+        sample_rows = [row for end, n in zip(ends, plan.logits_rows) for row in range(end - n, end)]
         num_samples = len(sample_rows)
         sample_rows += [0] * (_round_up(num_samples, self.row_multiple) - num_samples)
         threads, backend = self._threads_for(meta, padded)
@@ -148,6 +176,34 @@ class TorchModelRunner:
             attention = 1 if scores <= self.small_attention else full
         backend = self.backend if attention == narrow else AttentionOn(self.backend, attention, narrow)
         return StepThreads(narrow=narrow, full=full, min_parallel_work=self.model.matmul.min_parallel_work), backend
+
+
+class TensorParallelRunner(TorchModelRunner):
+    """Rank 0's runner of a tensor-parallel group: each step's plan goes to every rank, then runs here too.
+
+    The scheduler, the ledger and sampling stay on rank 0 (the engine does not know there are ranks);
+    the logits come back from the group's gather, whole. A failed collective raises GroupFailure
+    (a `RunnerLost`: the engine stops, pagoda/core/engine.py)."""
+
+    def __init__(self, model: Transformer, config: EngineConfig, ranks: Any, *,
+                 backend: AttentionBackend | None = None) -> None:
+        ranks.group.broadcast(config)  # every rank makes its runner: its share of the heads of this pool
+        super().__init__(model, config, backend=backend)
+        self.ranks = ranks  # pagoda.model.ranks.Ranks
+
+    def run(self, plan: StepPlan) -> Tensor | None:
+        self.ranks.group.broadcast(plan)
+        return super().run(plan)
+
+    def describe(self) -> dict[str, Any]:
+        return {"tensor_parallel": self.ranks.describe()}
+
+    def watch(self, on_lost: Callable[[Exception], None]) -> None:
+        """Call `on_lost` when a rank is lost between steps (a step in flight raises instead)."""
+        self.ranks.watch(on_lost)
+
+    def close(self) -> None:
+        self.ranks.close()
 
 
 def _set_threads(n: int) -> None:

@@ -71,6 +71,9 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--speculative-config": (["--speculative-config", '{"num_speculative_tokens": 2, "max_extra_rows": 4}'],
                              lambda b: b.config.speculative == SpeculativeConfig(num_speculative_tokens=2,
                                                                                  max_extra_rows=4)),
+    "--tensor-parallel-size": (["--tensor-parallel-size", "2"], lambda b: b.options.tensor_parallel_size == 2),
+    "--distributed-backend": (["--distributed-backend", "nccl"], lambda b: b.options.distributed_backend == "nccl"),
+    "--distributed-timeout": (["--distributed-timeout", "5"], lambda b: b.options.distributed_timeout == 5),
     "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
                          lambda b: b.settings.disabled_plugins == ("tokenize", "chat_page")),
 }

@@ -48,11 +48,13 @@ class RecordingRunner:
         return out
 
 
-def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16):
-    """Run jobs [(rid, prompt, params)] to completion; returns ({rid: tokens}, {rid: Request}, engine)."""
+def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16, ranks=None):
+    """Run jobs [(rid, prompt, params)] to completion; returns ({rid: tokens}, {rid: Request}, engine).
+
+    `ranks`: the tensor-parallel group `model` is rank 0's shard of (tests/distributed)."""
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
                           max_batched_tokens=max_batched_tokens, max_model_len=512)
-    engine = make_engine(model, config, eos_token_ids=model.config.eos_token_ids)
+    engine = make_engine(model, config, eos_token_ids=model.config.eos_token_ids, ranks=ranks)
     engine.runner = RecordingRunner(engine.runner)
     requests = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in jobs}
     out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
@@ -82,12 +84,12 @@ def assert_same_logits(engine, alone_rows, rid):
         assert torch.equal(row, alone_rows[key]), f"{rid}: logits at position {key[1]} differ in their bits"
 
 
-def check_invariance(model, targets, *, tight_blocks):
+def check_invariance(model, targets, *, tight_blocks, ranks=None):
     """targets: [(rid, prompt, params)]. Alone == in a crowd == preempted and recomputed."""
     vocab = model.config.vocab_size
     alone, alone_rows = {}, {}
     for rid, p, s in targets:
-        tokens, _, engine = run(model, [(rid, p, s)])
+        tokens, _, engine = run(model, [(rid, p, s)], ranks=ranks)
         alone[rid] = tokens[rid]
         alone_rows.update(engine.runner.rows)
         assert len(alone[rid]) == 24
@@ -100,7 +102,7 @@ def check_invariance(model, targets, *, tight_blocks):
     # into chunks, so the targets' rows meet every batch size and row position.
     others = crowd(vocab)
     jobs = others[:4] + list(targets) + others[4:]
-    in_crowd, _, engine = run(model, jobs, max_batched_tokens=23)
+    in_crowd, _, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks)
     assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
     for rid in alone:
         assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
@@ -112,7 +114,7 @@ def check_invariance(model, targets, *, tight_blocks):
     long_others = crowd(vocab, n=4, seed=8, max_tokens=24)
     for rid, prompt, params in targets:
         jobs = long_others + [(rid, prompt, params)]
-        preempted, requests, engine = run(model, jobs, num_blocks=tight_blocks, max_batched_tokens=19)
+        preempted, requests, engine = run(model, jobs, num_blocks=tight_blocks, max_batched_tokens=19, ranks=ranks)
         assert engine.stats()["preemptions_total"] > 0
         assert requests[rid].num_preemptions > 0, f"{rid} was never preempted: the test proved nothing"
         assert preempted[rid] == alone[rid], f"{rid} changed after preemption and recompute"

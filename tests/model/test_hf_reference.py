@@ -18,6 +18,7 @@ from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.factory import make_engine
 from pagoda.model.loader import load_model
+from pagoda.model.runner import StepPlan
 from tests.model_fixtures import default_gguf_path, default_model_dir, default_tokenizer  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +53,7 @@ def pagoda_prompt_logits(runner, ids):
     """Logits [T, V] of every prompt position through the runner's paged path."""
     request = Request("p", list(ids), SamplingParams())
     table = tuple(range(-(-len(ids) // runner.block_size)))
-    inputs = runner.prepare(SchedulerOutput([ScheduledChunk(request, 0, len(ids), table)], runner.block_size))
+    inputs = runner.prepare(StepPlan.of(SchedulerOutput([ScheduledChunk(request, 0, len(ids), table)], runner.block_size)))
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, inputs.ctx)
         return runner.model.compute_logits(hidden[: len(ids)])

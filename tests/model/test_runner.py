@@ -10,7 +10,7 @@ from pagoda.core.request import Request
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.config import named_config
 from pagoda.model.llama import build_model
-from pagoda.model.runner import TorchModelRunner, auto_num_blocks, kv_cache_bytes_per_block
+from pagoda.model.runner import StepPlan, TorchModelRunner, auto_num_blocks, kv_cache_bytes_per_block
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -97,7 +97,7 @@ def test_runner_pads_rows_to_the_kernels_row_multiple():
     assert make_runner().row_multiple == make_runner().model.matmul.row_multiple > 1  # CPU float32
     runner = make_runner(row_multiple=4)
     batch = SchedulerOutput([chunk(request("a", prompt(6, 5)), 0, 5, [0, 1]), chunk(request("b", [7]), 0, 1, [2])], BLOCK_SIZE)
-    inputs = runner.prepare(batch)
+    inputs = runner.prepare(StepPlan.of(batch))
     assert inputs.input_ids.shape == (8,) and inputs.ctx.num_tokens == 6
     assert inputs.positions[:6].tolist() == [0, 1, 2, 3, 4, 0]
     assert inputs.ctx.meta.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8]
