@@ -47,8 +47,13 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(built, int):  # a torchrun rank other than 0: it worked for rank 0, and is done
         return built
     engine, tokenizer, prompt_ids = built
+    from pagoda.core.batch import RunnerLost
+
     try:
         return _generate(engine, prompt_ids, params)
+    except RunnerLost as exc:  # a tensor-parallel rank is gone
+        print(f"\npagoda generate: {exc}", file=sys.stderr)
+        return 1
     finally:
         engine.close()  # a tensor-parallel group's ranks stop
 

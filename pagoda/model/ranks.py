@@ -151,6 +151,8 @@ class Ranks:
         if launched is not None:
             before = torch.get_num_threads()
             torch.set_num_threads(_threads_per_rank(launched.local_world_size))
+            if backend == "nccl":
+                torch.cuda.set_device(launched.local_rank)
             _init(backend, 0, launched.world_size, options.timeout_s)
             return cls(TensorGroup(0, launched.world_size, backend), [], before)
         size = options.tensor_parallel_size
@@ -167,6 +169,8 @@ class Ranks:
                 p.start()
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(0)
         ranks = cls(TensorGroup(0, size, backend), processes, before)
         try:
             _init(backend, 0, size, options.timeout_s, store)
@@ -256,10 +260,12 @@ def spawned_worker(spec: WorkerSpec, rank: int) -> None:
 
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
+    if spec.backend == "nccl":
+        torch.cuda.set_device(rank)  # one machine: rank r on cuda:r (NCCL's collectives use the current device)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
                           timeout=timedelta(seconds=spec.timeout_s))
     _init(spec.backend, rank, spec.size, spec.timeout_s, store)
-    raise SystemExit(run_worker(spec, rank))
+    raise SystemExit(run_worker(spec, rank, local_rank=rank))
 
 
 def serve_as_worker(model_dir: Path | str, options: Any) -> int | None:

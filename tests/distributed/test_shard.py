@@ -72,3 +72,15 @@ def test_the_loader_reads_only_the_shard_of_each_tensor(tmp_path):
         assert torch.equal(part("model.layers.0.input_layernorm.weight"),
                            tensors["model.layers.0.input_layernorm.weight"])
         assert torch.equal(part("model.embed_tokens.weight"), tensors["model.embed_tokens.weight"][256:])
+
+
+def test_a_group_the_model_cannot_split_over_is_refused_before_any_rank_starts(tiny_model_dir):
+    from pagoda.core.tokenizer import Tokenizer
+    from pagoda.model.factory import EngineOptions, load_engine
+
+    import multiprocessing
+
+    with pytest.raises(ModelConfigError, match="tensor_parallel_size 3 is more than the model's 2 key/value heads"):
+        load_engine(tiny_model_dir, Tokenizer.from_dir(tiny_model_dir),
+                    EngineOptions(model=str(tiny_model_dir), device="cpu", tensor_parallel_size=3))
+    assert multiprocessing.active_children() == []  # nothing was spawned
