@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagoda.bench.offline import bench_config, make_prompts
+from pagoda.distributed.group import SUM_PARTS_MIN_BYTES
 
 CONTEXT = 32
 
@@ -102,7 +103,9 @@ def project(shape: Shape, tp: int, rows: int, link: Link, device: Device = DEVIC
 
     Memory: each rank streams 1/tp of the weights and of every row's KV (heads split). Communication:
     2 all-reduces a layer of rows x hidden bfloat16 values; a ring all-reduce moves 2(tp-1)/tp of the
-    buffer in 2(tp-1) hops, pagoda's fixed-order gather (tp-1) buffers in tp-1 hops (group.py)."""
+    buffer in 2(tp-1) hops; pagoda's fixed-order one (group.py) gathers the other buffers whole at tp=2
+    or below SUM_PARTS_MIN_BYTES, and otherwise runs an all-to-all and an all-gather of (tp-1)/tp of
+    the buffer each: a ring's bytes and hops, in two collectives."""
     d = shape.hidden // shape.heads
     kv = rows * KV_CONTEXT * shape.layers * 2 * shape.kv_heads * d * BYTES
     memory = (shape.params * BYTES + kv) / tp / device.memory_bytes_per_s
@@ -113,10 +116,15 @@ def project(shape: Shape, tp: int, rows: int, link: Link, device: Device = DEVIC
         return moved / link.bytes_per_s + (hops if link.per_hop else 1) * link.latency_s
 
     ring = reduces * collective(2 * (tp - 1) / tp * buffer, 2 * (tp - 1)) if tp > 1 else 0.0
-    gather = reduces * collective((tp - 1) * buffer, tp - 1) if tp > 1 else 0.0
+    if tp == 1:
+        pagoda = 0.0
+    elif tp == 2 or buffer < SUM_PARTS_MIN_BYTES:  # one gather of the other ranks' buffers
+        pagoda = reduces * collective((tp - 1) * buffer, tp - 1)
+    else:  # an all-to-all of parts, then an all-gather of the sums (group.py)
+        pagoda = reduces * 2 * collective((tp - 1) / tp * buffer, tp - 1)
     fits = shape.params * BYTES / tp < 0.9 * device.memory_bytes
     return {"shape": shape.name, "tp": tp, "rows": rows, "link": link.name, "memory_s": memory, "ring_s": ring,
-            "gather_s": gather, "fits": fits}
+            "pagoda_s": pagoda, "fits": fits}
 
 
 def projection_table(rows_list: Sequence[int] = (1, 64)) -> list[dict]:
@@ -130,14 +138,14 @@ def render_projection(table: list[dict]) -> str:
            "step ms | speed-up over the smallest TP that fits |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     base: dict[tuple, float] = {}
     for r in table:
-        step = r["memory_s"] + r["gather_s"]
+        step = r["memory_s"] + r["pagoda_s"]
         key = (r["shape"], r["link"], r["rows"])
         if not r["fits"]:
             out.append(f"| {r['shape']} | {r['link']} | {r['rows']} | {r['tp']} | does not fit | | | |")
             continue
         base.setdefault(key, step)
         out.append(f"| {r['shape']} | {r['link']} | {r['rows']} | {r['tp']} | {r['memory_s'] * 1e3:.2f} | "
-                   f"{r['ring_s'] * 1e3:.2f} / {r['gather_s'] * 1e3:.2f} | {step * 1e3:.2f} | {base[key] / step:.2f}x |")
+                   f"{r['ring_s'] * 1e3:.2f} / {r['pagoda_s'] * 1e3:.2f} | {step * 1e3:.2f} | {base[key] / step:.2f}x |")
     return "\n".join(out)
 
 

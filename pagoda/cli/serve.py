@@ -116,10 +116,6 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda.api.app import create_app
-    from pagoda.api.drain import drain
-    from pagoda.api.server import run_server
-    from pagoda.core.async_engine import AsyncEngine
     from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import build_engine
     from pagoda.model.hub import resolve_model
@@ -133,10 +129,26 @@ def run(args: argparse.Namespace) -> int:
             return status
         plugins = load_plugins(disabled=args.disable_plugin)
         engine, tokenizer, model_dir = build_engine(options)
+    except (ValueError, FileNotFoundError, PluginError) as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, engine, tokenizer, model_dir, plugins)
+    finally:
+        engine.close()  # a tensor-parallel group's ranks stop (already done after a drain; idempotent)
+
+
+def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins) -> int:
+    from pagoda.api.app import create_app
+    from pagoda.api.drain import drain
+    from pagoda.api.server import run_server
+    from pagoda.core.async_engine import AsyncEngine
+
+    try:
         settings = serve_settings(args, model_dir)
         async_engine = AsyncEngine(engine, on_crash=_exit_after_lost_rank)
         app = create_app(async_engine, tokenizer, plugins, settings)
-    except (ValueError, FileNotFoundError, PluginError) as exc:
+    except ValueError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
     # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read

@@ -5,14 +5,25 @@ Three collectives, and a broadcast:
 - `all_reduce(x)`, the sum of every rank's partial result (after the row-parallel o_proj and
   down_proj, and the vocab-parallel embedding). Batch invariance needs a sum whose order never
   depends on the batch, and a ring all-reduce's order does: gloo and NCCL cut the buffer into
-  chunks by its size, and an element's order of summation depends on the chunk it falls in. So the
-  ranks gather every partial result (`all_gather`) and each sums them in rank order, one element
-  at a time: ((x0 + x1) + x2) + ..., the same bits on every rank, for every row count. It moves
-  (N-1)/N of N buffers, against a ring's 2(N-1)/N of one: the same bytes at N = 2, N/2 times
-  more beyond (docs/distributed.md).
+  chunks by its size, and an element's order of summation depends on the chunk it falls in. So
+  every element is summed in rank order, ((x0 + x1) + x2) + ..., whatever the buffer:
+  - two ranks gather each other's partial result and both sum (one collective, a ring's bytes);
+  - more ranks, on a buffer of at least SUM_PARTS_MIN_BYTES, split it into N parts: each rank
+    receives every rank's values of one part (an all-to-all), sums them in rank order, and the sums
+    go to every rank (an all-gather). Two collectives, 2(N-1)/N of the buffer sent, as a ring. A
+    smaller buffer is gathered whole, as at two ranks: one collective's latency instead of two,
+    where bytes cost little. Both give every element the same sum in the same order, so the choice
+    by size (the same on every rank) never changes a bit.
 - `gather_first(x, sizes)`, the vocab-parallel LM head's logits, concatenated on rank 0 only
   (the one that samples); shards of unequal size travel padded to the largest.
 - `broadcast(obj)`, rank 0's step plan to every rank, one message a step.
+
+Two process groups under one `TensorGroup` (`TensorGroup.form`), as vLLM keeps a CPU group beside
+its device group. The compute group (gloo or NCCL) carries the forward's collectives and has
+--distributed-timeout: a rank that does not answer within it inside a step has failed. The control
+group (always gloo, on the CPU) carries the messages and waits without a deadline: a worker idles
+in it between steps for as long as the server has no request, and while rank 0 loads its shard. A
+dead peer still fails it at once (its connection closes).
 
 A failed collective (a rank died, or it did not answer within the group's timeout) raises
 `GroupFailure` and marks the group failed: it cannot be used again, and every rank exits
@@ -22,8 +33,10 @@ A failed collective (a rank died, or it did not answer within the group's timeou
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -33,6 +46,15 @@ from torch import Tensor
 from pagoda.core.batch import RunnerLost
 
 logger = logging.getLogger("pagoda.distributed")
+
+# Beyond two ranks, a buffer this big is summed in parts (an all-to-all and an all-gather: a ring's bytes);
+# a smaller one is gathered whole (one collective). 64 KiB: 16 rows of the default model's float32 hidden
+# state, 8 of a 4096-wide bfloat16 one.
+SUM_PARTS_MIN_BYTES = 64 << 10
+# How long forming the group may take (every rank starts, imports torch and meets the others), and how long
+# the control group's messages wait (an idle server's workers wait in it): no deadline worth the name.
+FORM_TIMEOUT = timedelta(minutes=10)
+CONTROL_TIMEOUT = timedelta(days=3650)
 
 
 class GroupFailure(RunnerLost):
@@ -61,11 +83,14 @@ class CommStats:
         self.seconds.clear()
 
 
-def partition(n: int, size: int, rank: int) -> tuple[int, int]:
-    """The contiguous part [start, end) of n items that `rank` of `size` holds: sizes differ by at most one."""
-    base, extra = divmod(n, size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+def partition(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """The contiguous part [start, end) of n items that `rank` of `size` holds, in whole units of `unit` items:
+    parts differ by at most one unit, and the last rank takes the n % unit items left over."""
+    units, rest = divmod(n, unit)
+    base, extra = divmod(units, size)
+    start = (rank * base + min(rank, extra)) * unit
+    end = start + (base + (rank < extra)) * unit
+    return start, end + (rest if rank == size - 1 else 0)
 
 
 class TensorGroup:
@@ -75,12 +100,26 @@ class TensorGroup:
     path. A group of one with a backend runs every collective through torch.distributed, so one GPU can
     take the NCCL code path (`--distributed-backend nccl`)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, backend: str | None = None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, backend: str | None = None, *, compute: Any = None,
+                 control: Any = None) -> None:
         self.rank, self.size, self.backend = rank, size, backend
         self.communicates = backend is not None
+        self.compute, self.control = compute, control  # torch.distributed groups (None: the default group)
         self.stats = CommStats()
         self.failure: GroupFailure | None = None
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+    @classmethod
+    def form(cls, backend: str, rank: int, size: int, timeout_s: float, store: Any = None) -> TensorGroup:
+        """Join the group as `rank` of `size`: through `store` (rank 0's, on one machine) or the env:// variables
+        torchrun sets. Every rank calls this, in the same order."""
+        if backend == "nccl":  # NCCL reports a timed-out collective as an error, not by aborting the process
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        where = {"store": store} if store is not None else {"init_method": "env://"}
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=FORM_TIMEOUT, **where)
+        compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        return cls(rank, size, backend, compute=compute, control=control)
 
     @property
     def is_first(self) -> bool:
@@ -103,13 +142,25 @@ class TensorGroup:
         if not self.communicates:
             return x
         x = x.contiguous()
+        if self.size > 2 and x.nbytes >= SUM_PARTS_MIN_BYTES:
+            return self._sum_parts(x)
         gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        self._run("all_reduce", x.nbytes, self._gather, gathered, x)
-        parts = gathered.view(self.size, *x.shape)
-        total = parts[0].clone()
-        for r in range(1, self.size):
-            total.add_(parts[r])
-        return total
+        self._run("all_reduce", x.nbytes, self._gather, gathered, x, group=self.compute)
+        return _in_rank_order(gathered.view(self.size, *x.shape))
+
+    def _sum_parts(self, x: Tensor) -> Tensor:
+        # each rank sums one Nth of the buffer over the ranks, in rank order, then every part goes everywhere
+        n, size = x.numel(), self.size
+        part = -(-n // size)
+        flat = x.new_zeros(part * size)
+        flat[:n] = x.view(-1)
+        received = torch.empty_like(flat)
+        sent = flat.nbytes * (size - 1) // size
+        # [rank r's values of my part], then every rank's sums
+        self._run("all_reduce", sent, dist.all_to_all_single, received, flat, group=self.compute)
+        whole = torch.empty_like(flat)
+        self._run("all_reduce", sent, self._gather, whole, _in_rank_order(received.view(size, part)), group=self.compute)
+        return whole[:n].view_as(x)
 
     def gather_first(self, x: Tensor, sizes: list[int]) -> Tensor | None:
         """x [S, sizes[rank]] on each rank -> [S, sum(sizes)] on rank 0 (None elsewhere), in rank order."""
@@ -119,7 +170,7 @@ class TensorGroup:
         padded = x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
         padded = padded.contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)] if self.is_first else None
-        self._run("gather", padded.nbytes, dist.gather, padded, parts, dst=0)
+        self._run("gather", padded.nbytes, dist.gather, padded, parts, dst=0, group=self.compute)
         if parts is None:
             return None
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
@@ -129,7 +180,7 @@ class TensorGroup:
         if not self.communicates:
             return obj
         box = [obj]
-        self._run("broadcast", 0, dist.broadcast_object_list, box, src=0)
+        self._run("broadcast", 0, dist.broadcast_object_list, box, src=0, group=self.control)
         return box[0]
 
     def close(self) -> None:
@@ -139,6 +190,14 @@ class TensorGroup:
                 dist.destroy_process_group()
             except Exception:  # a group whose peers are gone may not tear down cleanly; it is gone either way
                 logger.debug("destroying the process group failed", exc_info=True)
+
+
+def _in_rank_order(parts: Tensor) -> Tensor:
+    """parts [N, ...] -> ((parts[0] + parts[1]) + parts[2]) + ...: one fixed order for every element."""
+    total = parts[0].clone()
+    for r in range(1, parts.shape[0]):
+        total.add_(parts[r])
+    return total
 
 
 SOLO = TensorGroup()  # one process, one rank: the group a model has when nothing is sharded

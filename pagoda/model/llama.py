@@ -227,7 +227,7 @@ class VocabEmbedding(nn.Embedding):
             return super().forward(ids)
         inside = (ids >= self.start) & (ids < self.end)
         rows = super().forward(torch.where(inside, ids - self.start, 0))
-        return self.group.all_reduce(rows.mul_(inside.unsqueeze(-1).to(rows.dtype)))
+        return self.group.all_reduce(rows.masked_fill_(~inside.unsqueeze(-1), 0.0))
 
 
 class DecoderStack(nn.Module):

@@ -34,7 +34,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,8 @@ class ParallelOptions:
         backend = self.backend or ("nccl" if device_type == "cuda" else "gloo")
         if backend == "nccl" and device_type != "cuda":
             raise ValueError("distributed_backend nccl needs CUDA devices; use gloo on the CPU")
+        if backend == "gloo" and device_type == "cuda":
+            raise ValueError("distributed_backend gloo carries CPU tensors; use nccl between CUDA devices")
         return backend
 
 
@@ -120,17 +121,18 @@ def _children_wait_passive() -> Iterator[None]:
             del os.environ[WAIT_POLICY_ENV]
 
 
-def _init(backend: str, rank: int, size: int, timeout_s: float, store: Any = None) -> None:
-    import torch.distributed as dist
-
-    kwargs = {"store": store} if store is not None else {"init_method": "env://"}
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), **kwargs)
+def _ignore_stop_signals() -> None:
+    """A worker ends when rank 0 says so, not on a signal: a Ctrl-C (sent to the whole process group) or
+    torchrun's SIGTERM reaches rank 0 too, which drains, running steps that need every rank, and then ends
+    the group. If rank 0 is gone instead, the worker's next collective fails, and it exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Ranks:
     """Rank 0's hold on its group: the group, the ranks it spawned (none under torchrun), their watch."""
 
-    def __init__(self, group: Any, processes: list[Any], threads_before: int | None = None) -> None:
+    def __init__(self, group: Any | None, processes: list[Any], threads_before: int | None = None) -> None:
         self.group = group
         self.processes = processes
         self._threads_before = threads_before
@@ -144,7 +146,7 @@ class Ranks:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from pagoda.distributed.group import TensorGroup
+        from pagoda.distributed.group import FORM_TIMEOUT, TensorGroup
 
         backend = options.backend_for(device_type)
         launched = torchrun_rank()
@@ -153,12 +155,13 @@ class Ranks:
             torch.set_num_threads(_threads_per_rank(launched.local_world_size))
             if backend == "nccl":
                 torch.cuda.set_device(launched.local_rank)
-            _init(backend, 0, launched.world_size, options.timeout_s)
-            return cls(TensorGroup(0, launched.world_size, backend), [], before)
+            return cls(TensorGroup.form(backend, 0, launched.world_size, options.timeout_s), [], before)
         size = options.tensor_parallel_size
+        if backend == "nccl" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; torch sees "
+                             f"{torch.cuda.device_count()}")
         threads = _threads_per_rank(size)
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=options.timeout_s),
-                              wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=FORM_TIMEOUT, wait_for_workers=False)
         context = mp.get_context("spawn")
         spec = dataclasses.replace(worker, backend=backend, size=size, store_port=store.port, threads=threads,
                                    timeout_s=options.timeout_s, log_level=logging.getLogger().getEffectiveLevel())
@@ -171,10 +174,10 @@ class Ranks:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(0)
-        ranks = cls(TensorGroup(0, size, backend), processes, before)
+        ranks = cls(None, processes, before)
         try:
-            _init(backend, 0, size, options.timeout_s, store)
-        except Exception:
+            ranks.group = TensorGroup.form(backend, 0, size, options.timeout_s, store)
+        except BaseException:
             ranks.close()
             raise
         for rank, p in enumerate(processes, start=1):
@@ -215,19 +218,19 @@ class Ranks:
         if self._closed.is_set():
             return
         self._closing = True
-        if self.group.failure is None:
+        failed = self.group is None or self.group.failure is not None
+        if not failed:
             try:
                 self.group.broadcast(None)  # the end
             except Exception:
                 logger.warning("tensor parallel: the ranks could not be told to stop", exc_info=True)
-        self.group.close()
-        for p in self.processes:
-            if self.group.failure is not None:
-                p.kill()  # a failed group's ranks have nothing left to do (a hung one would not hear a SIGTERM)
+                failed = True
+        if self.group is not None:
+            self.group.close()
+        for p in self.processes:  # workers ignore SIGTERM (`_ignore_stop_signals`): one that lingers is killed
+            if failed:
+                p.kill()  # a failed group's ranks have nothing left to do
             p.join(JOIN_TIMEOUT_S)
-            if p.is_alive():
-                p.terminate()
-                p.join(JOIN_TIMEOUT_S)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -259,13 +262,15 @@ def spawned_worker(spec: WorkerSpec, rank: int) -> None:
     import torch.distributed as dist
 
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    from pagoda.distributed.group import FORM_TIMEOUT, TensorGroup
+
+    _ignore_stop_signals()
     torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(rank)  # one machine: rank r on cuda:r (NCCL's collectives use the current device)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
-                          timeout=timedelta(seconds=spec.timeout_s))
-    _init(spec.backend, rank, spec.size, spec.timeout_s, store)
-    raise SystemExit(run_worker(spec, rank, local_rank=rank))
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=FORM_TIMEOUT)
+    group = TensorGroup.form(spec.backend, rank, spec.size, spec.timeout_s, store)
+    raise SystemExit(run_worker(group, spec, local_rank=rank))
 
 
 def serve_as_worker(model_dir: Path | str, options: Any) -> int | None:
@@ -277,34 +282,32 @@ def serve_as_worker(model_dir: Path | str, options: Any) -> int | None:
         return None
     import torch
 
+    from pagoda.distributed.group import TensorGroup
+    from pagoda.model.loader import resolve_device
+
+    _ignore_stop_signals()
     parallel = options.parallel
     group_size(parallel)  # refuses a --tensor-parallel-size that disagrees with torchrun's world
     torch.set_num_threads(_threads_per_rank(launched.local_world_size))
-    from pagoda.model.loader import resolve_device
-
     device = resolve_device(options.device)
     if device.type == "cuda":
         torch.cuda.set_device(launched.local_rank)
-    _init(parallel.backend_for(device.type), launched.rank, launched.world_size, parallel.timeout_s)
-    spec = WorkerSpec(model_dir=str(model_dir), options=options, backend=parallel.backend_for(device.type),
-                      size=launched.world_size, timeout_s=parallel.timeout_s)
-    return run_worker(spec, launched.rank, local_rank=launched.local_rank)
+    backend = parallel.backend_for(device.type)
+    group = TensorGroup.form(backend, launched.rank, launched.world_size, parallel.timeout_s)
+    spec = WorkerSpec(model_dir=str(model_dir), options=options, backend=backend, size=launched.world_size,
+                      timeout_s=parallel.timeout_s)
+    return run_worker(group, spec, local_rank=launched.local_rank)
 
 
-def run_worker(spec: WorkerSpec, rank: int, local_rank: int | None = None) -> int:
-    """A worker rank: load its shard, then follow rank 0's messages (a runner's configuration, step plans, the
-    end); 0 when told to stop, 1 when the group failed."""
+def run_worker(group: Any, spec: WorkerSpec, local_rank: int | None = None) -> int:
+    """A worker rank of a formed `group`: load its shard, then follow rank 0's messages (a runner's configuration,
+    step plans, the end); 0 when told to stop, 1 when the group failed."""
     from pagoda.core.engine_config import EngineConfig
-    from pagoda.distributed.group import GroupFailure, TensorGroup
+    from pagoda.distributed.group import GroupFailure
     from pagoda.model.loader import load_shard
     from pagoda.model.runner import TorchModelRunner
 
-    # A worker ends when rank 0 says so, not on a signal: a Ctrl-C (sent to the whole process group) or torchrun's
-    # SIGTERM reaches rank 0 too, which drains, running steps that need every rank, and then ends the group.
-    # If rank 0 is gone instead, this rank's next collective fails, and it exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    group = TensorGroup(rank, spec.size, spec.backend)
+    rank = group.rank
     try:
         model = load_shard(Path(spec.model_dir), spec.options, group, local_rank)
         runner = None

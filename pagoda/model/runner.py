@@ -61,6 +61,7 @@ from torch import Tensor
 
 from pagoda.core.batch import RunnerOutput, SchedulerOutput
 from pagoda.core.engine_config import EngineConfig
+from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
 from pagoda.model.config import ModelConfig
 from pagoda.model.llama import StepContext, Transformer
@@ -192,8 +193,17 @@ class TensorParallelRunner(TorchModelRunner):
         self.ranks = ranks  # pagoda.model.ranks.Ranks
 
     def run(self, plan: StepPlan) -> Tensor | None:
-        self.ranks.group.broadcast(plan)
-        return super().run(plan)
+        group = self.ranks.group
+        group.broadcast(plan)
+        try:
+            return super().run(plan)
+        except GroupFailure:
+            raise
+        except BaseException as exc:
+            # rank 0 failed mid-step alone: the others are inside the step's collectives, so the group's sequence
+            # of collectives can never line up again. Not one batch's failure: the group's.
+            group.failure = GroupFailure(f"tensor-parallel rank 0 failed inside a step: {exc!r}")
+            raise group.failure from exc
 
     def describe(self) -> dict[str, Any]:
         return {"tensor_parallel": self.ranks.describe()}

@@ -14,6 +14,9 @@ Design note (after Megatron-LM's layout, as nano-vllm and gpt-fast use it):
   vocabulary's rows. The lookup masks the ids outside it, and the group sums (one term is the
   row, the others exact zeros); the head's logits are gathered on rank 0, which samples.
 - The norms are replicated: every rank holds the whole hidden state between layers.
+- The intermediate size and the vocabulary are split in units of 32 (QUANT_UNIT): int4 packs
+  groups of 32 inputs and 16 outputs, int8 multiples of 8, so every rank's shard of a quantized
+  model packs, and a shard of a GGUF's Q4_1 blocks never splits a block.
 
 A group of one holds everything (`ShardPlan.whole`): the single-process model, unchanged.
 """
@@ -25,8 +28,7 @@ from dataclasses import dataclass
 from pagoda.distributed.group import partition
 from pagoda.model.config import ModelConfig, ModelConfigError
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
+QUANT_UNIT = 32  # the intermediate and vocabulary parts are whole multiples of this (the design note)
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,9 @@ class ShardPlan:
         group = config.num_attention_heads // config.num_key_value_heads
         kv = partition(config.num_key_value_heads, size, rank)
         return cls(rank=rank, size=size, kv_heads=kv, q_heads=(kv[0] * group, kv[1] * group),
-                   intermediate=partition(config.intermediate_size, size, rank),
-                   vocab=partition(config.vocab_size, size, rank),
-                   vocab_sizes=tuple(_width(partition(config.vocab_size, size, r)) for r in range(size)),
+                   intermediate=partition(config.intermediate_size, size, rank, QUANT_UNIT),
+                   vocab=partition(config.vocab_size, size, rank, QUANT_UNIT),
+                   vocab_sizes=tuple(_width(partition(config.vocab_size, size, r, QUANT_UNIT)) for r in range(size)),
                    head_dim=config.head_dim)
 
     @classmethod

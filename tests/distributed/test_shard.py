@@ -15,13 +15,14 @@ from pagoda.model.loader import read_shard
 from pagoda.model.shard import ShardPlan
 
 
-@given(n=st.integers(1, 10_000), size=st.integers(1, 64))
-def test_partition_covers_everything_once_in_order_and_evenly(n, size):
-    parts = [partition(n, size, r) for r in range(size)]
+@given(n=st.integers(1, 10_000), size=st.integers(1, 64), unit=st.sampled_from([1, 16, 32]))
+def test_partition_covers_everything_once_in_order_evenly_and_in_whole_units(n, size, unit):
+    parts = [partition(n, size, r, unit) for r in range(size)]
     assert parts[0][0] == 0 and parts[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, in rank order
-    widths = [end - start for start, end in parts]
-    assert max(widths) - min(widths) <= 1
+    assert all(start % unit == 0 for start, _ in parts)  # every part starts on a unit
+    whole = [(end - start) // unit for start, end in parts[:-1]] + [(parts[-1][1] - parts[-1][0]) // unit]
+    assert max(whole) - min(whole) <= 1  # parts differ by at most one unit (the last holds the rest besides)
 
 
 def test_the_default_models_heads_split_two_and_one_with_their_query_groups():
@@ -67,8 +68,8 @@ def test_the_loader_reads_only_the_shard_of_each_tensor(tmp_path):
         assert part("model.layers.0.self_attn.o_proj.bias") is None  # rank 0 adds it
         assert torch.equal(part("model.layers.0.self_attn.o_proj.bias", ShardPlan.of(c, 0, 2)),
                            tensors["model.layers.0.self_attn.o_proj.bias"])
-        assert torch.equal(part("model.layers.0.mlp.down_proj.weight"),
-                           tensors["model.layers.0.mlp.down_proj.weight"][:, 80:])
+        assert torch.equal(part("model.layers.0.mlp.down_proj.weight"),  # 160 = 5 units of 32: 3 + 2
+                           tensors["model.layers.0.mlp.down_proj.weight"][:, 96:])
         assert torch.equal(part("model.layers.0.input_layernorm.weight"),
                            tensors["model.layers.0.input_layernorm.weight"])
         assert torch.equal(part("model.embed_tokens.weight"), tensors["model.embed_tokens.weight"][256:])
@@ -84,3 +85,16 @@ def test_a_group_the_model_cannot_split_over_is_refused_before_any_rank_starts(t
         load_engine(tiny_model_dir, Tokenizer.from_dir(tiny_model_dir),
                     EngineOptions(model=str(tiny_model_dir), device="cpu", tensor_parallel_size=3))
     assert multiprocessing.active_children() == []  # nothing was spawned
+
+
+def test_q4_1_blocks_shard_by_rows_and_by_whole_blocks_of_columns(tmp_path):
+    c = named_config("tiny")  # intermediate 160: rank 1 of 2 holds columns 96..160, blocks 3..5
+    blocks = {"model.layers.0.mlp.down_proj.weight": torch.randint(0, 255, (64, 5, 20), dtype=torch.uint8),
+              "model.layers.0.mlp.up_proj.weight": torch.randint(0, 255, (160, 2, 20), dtype=torch.uint8)}
+    save_file(blocks, str(tmp_path / "q.safetensors"))
+    second = ShardPlan.of(c, 1, 2)
+    with safe_open(str(tmp_path / "q.safetensors"), framework="pt") as reader:
+        down = read_shard(reader, "model.layers.0.mlp.down_proj.weight", second, per=32)
+        up = read_shard(reader, "model.layers.0.mlp.up_proj.weight", second, per=32)
+    assert torch.equal(down, blocks["model.layers.0.mlp.down_proj.weight"][:, 3:])
+    assert torch.equal(up, blocks["model.layers.0.mlp.up_proj.weight"][96:])

@@ -131,3 +131,12 @@ def test_a_worker_lost_while_idle_is_noticed_before_the_next_request(served):
     while httpx.get(served.url + "/health", timeout=BOUND_S).status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.05)  # polled, bounded: the watcher thread notices the exit at once
     check_failed_cleanly(served)
+
+
+def test_an_idle_server_outlives_the_collective_timeout(served):
+    # Idle for twice --distributed-timeout: a duration is the condition here. The workers wait for the next plan
+    # on the control group, which has no deadline; only a collective inside a step has one.
+    time.sleep(2 * TIMEOUT_S)
+    r = httpx.post(served.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}, timeout=BOUND_S)
+    assert r.status_code == 200, r.text
+    assert httpx.get(served.url + "/health", timeout=BOUND_S).json()["status"] == "ok"
