@@ -143,12 +143,13 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
     from pagoda.api.drain import drain
     from pagoda.api.server import run_server
     from pagoda.core.async_engine import AsyncEngine
+    from pagoda.plugins.manager import PluginError
 
     try:
         settings = serve_settings(args, model_dir)
         async_engine = AsyncEngine(engine, on_crash=_exit_after_lost_rank)
         app = create_app(async_engine, tokenizer, plugins, settings)
-    except ValueError as exc:
+    except (ValueError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)
         return 2
     # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read

@@ -21,9 +21,10 @@ Three collectives, and a broadcast:
 Two process groups under one `TensorGroup` (`TensorGroup.form`), as vLLM keeps a CPU group beside
 its device group. The compute group (gloo or NCCL) carries the forward's collectives and has
 --distributed-timeout: a rank that does not answer within it inside a step has failed. The control
-group (always gloo, on the CPU) carries the messages and waits without a deadline: a worker idles
-in it between steps for as long as the server has no request, and while rank 0 loads its shard. A
-dead peer still fails it at once (its connection closes).
+group (always gloo, on the CPU) carries the messages. A worker waits in it without a deadline: it
+idles there between steps for as long as the server has no request, and while rank 0 loads its
+shard. Rank 0's sends into it have --distributed-timeout (a hung worker must not hold rank 0 in a
+send forever). A dead peer fails it at once (its connection closes).
 
 A failed collective (a rank died, or it did not answer within the group's timeout) raises
 `GroupFailure` and marks the group failed: it cannot be used again, and every rank exits
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,7 +50,7 @@ from pagoda.core.batch import RunnerLost
 logger = logging.getLogger("pagoda.distributed")
 
 # Beyond two ranks, a buffer this big is summed in parts (an all-to-all and an all-gather: a ring's bytes);
-# a smaller one is gathered whole (one collective). 64 KiB: 16 rows of the default model's float32 hidden
+# a smaller one is gathered whole (one collective). 64 KiB: 29 rows of the default model's float32 hidden
 # state, 8 of a 4096-wide bfloat16 one.
 SUM_PARTS_MIN_BYTES = 64 << 10
 # How long forming the group may take (every rank starts, imports torch and meets the others), and how long
@@ -105,6 +107,7 @@ class TensorGroup:
         self.rank, self.size, self.backend = rank, size, backend
         self.communicates = backend is not None
         self.compute, self.control = compute, control  # torch.distributed groups (None: the default group)
+        self.send_timeout = timedelta(seconds=60)  # how long rank 0 waits for a message to go out (`form` sets it)
         self.stats = CommStats()
         self.failure: GroupFailure | None = None
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,13 +116,24 @@ class TensorGroup:
     def form(cls, backend: str, rank: int, size: int, timeout_s: float, store: Any = None) -> TensorGroup:
         """Join the group as `rank` of `size`: through `store` (rank 0's, on one machine) or the env:// variables
         torchrun sets. Every rank calls this, in the same order."""
-        if backend == "nccl":  # NCCL reports a timed-out collective as an error, not by aborting the process
+        if backend == "nccl":
+            # the host waits for each NCCL collective, so a timed-out one raises (GroupFailure) instead of NCCL's
+            # watchdog aborting the process; it costs a host sync a collective (docs/distributed.md, "Left")
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         where = {"store": store} if store is not None else {"init_method": "env://"}
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=FORM_TIMEOUT, **where)
-        compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        return cls(rank, size, backend, compute=compute, control=control)
+        try:
+            compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            # formed within FORM_TIMEOUT like the rest (gloo connects its peers with the group's timeout), then
+            # without a deadline for its messages
+            control = dist.new_group(backend="gloo", timeout=FORM_TIMEOUT)
+            dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        group = cls(rank, size, backend, compute=compute, control=control)
+        group.send_timeout = timedelta(seconds=timeout_s)
+        return group
 
     @property
     def is_first(self) -> bool:
@@ -142,8 +156,10 @@ class TensorGroup:
         if not self.communicates:
             return x
         x = x.contiguous()
-        if self.size > 2 and x.nbytes >= SUM_PARTS_MIN_BYTES:
-            return self._sum_parts(x)
+        return self._sum_parts(x) if self.size > 2 and x.nbytes >= SUM_PARTS_MIN_BYTES else self._sum_whole(x)
+
+    def _sum_whole(self, x: Tensor) -> Tensor:
+        # every rank gathers every rank's buffer and sums them in rank order
         gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         self._run("all_reduce", x.nbytes, self._gather, gathered, x, group=self.compute)
         return _in_rank_order(gathered.view(self.size, *x.shape))
@@ -176,12 +192,27 @@ class TensorGroup:
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
 
     def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (one pickled message)."""
+        """Rank 0's `obj` on every rank (one pickled message: its length, then its bytes)."""
         if not self.communicates:
             return obj
-        box = [obj]
-        self._run("broadcast", 0, dist.broadcast_object_list, box, src=0, group=self.control)
-        return box[0]
+        if self.is_first:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            length = torch.empty(1, dtype=torch.int64)
+        self._run("broadcast", length.nbytes, self._send_or_receive, length)
+        if not self.is_first:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._run("broadcast", payload.nbytes, self._send_or_receive, payload)
+        return obj if self.is_first else pickle.loads(payload.numpy().tobytes())
+
+    def _send_or_receive(self, tensor: Tensor) -> None:
+        # rank 0 waits at most send_timeout for its message to go out; a worker waits for the next one for good
+        work = dist.broadcast(tensor, src=0, group=self.control, async_op=True)
+        if self.is_first:
+            work.wait(timeout=self.send_timeout)
+        else:
+            work.wait()
 
     def close(self) -> None:
         """Tear the process group down (after a failure too: whatever the peers do)."""

@@ -138,6 +138,7 @@ class Ranks:
         self._threads_before = threads_before
         self._closing = False
         self._closed = threading.Event()
+        self._lock = threading.Lock()  # one close at a time (the engine loop's and the server's own)
 
     @classmethod
     def start(cls, options: ParallelOptions, device_type: str, worker: WorkerSpec) -> Ranks:
@@ -176,13 +177,41 @@ class Ranks:
             torch.cuda.set_device(0)
         ranks = cls(None, processes, before)
         try:
-            ranks.group = TensorGroup.form(backend, 0, size, options.timeout_s, store)
+            ranks.group = ranks._form_watching(lambda: TensorGroup.form(backend, 0, size, options.timeout_s, store))
         except BaseException:
             ranks.close()
             raise
         for rank, p in enumerate(processes, start=1):
             logger.info("tensor parallel: rank %d of %d is pid %d", rank, size, p.pid)
         return ranks
+
+    def _form_watching(self, form: Callable[[], Any]) -> Any:
+        """`form()` on a thread, while watching the spawned ranks: one that exits before the group has formed
+        (an import error, a device it cannot take) is a start-up error now, not after FORM_TIMEOUT."""
+        if not self.processes:
+            return form()
+        result: list[Any] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(form())
+            except BaseException as exc:
+                failure.append(exc)
+
+        former = threading.Thread(target=run, name="pagoda-rank-form", daemon=True)
+        former.start()
+        sentinels = {p.sentinel: p for p in self.processes}
+        while former.is_alive():
+            ready = wait(list(sentinels), timeout=0.5)  # a rank's end, or half a second to look at the former again
+            if ready and former.is_alive():
+                gone = sentinels[ready[0]]
+                gone.join(JOIN_TIMEOUT_S)
+                raise ValueError(f"tensor-parallel rank {self.processes.index(gone) + 1} exited with code "
+                                 f"{gone.exitcode} before the group formed (its log says why)")
+        if failure:
+            raise failure[0]
+        return result[0]
 
     def describe(self) -> dict[str, Any]:
         """The group for /health: its size, backend and the pids of the ranks this process spawned."""
@@ -211,21 +240,28 @@ class Ranks:
 
         threading.Thread(target=watcher, name="pagoda-rank-watch", daemon=True).start()
 
-    def close(self) -> None:
-        """End the group: tell the ranks to stop (if it still works), tear it down, and reap what was spawned."""
+    def close(self, abandon: bool = False) -> None:
+        """End the group: tell the ranks to stop (if it still works), tear it down, and reap what was spawned.
+
+        `abandon`: another thread is inside the group's collectives; the ranks are killed, and the group is
+        neither told nor torn down under it (the process is about to exit)."""
+        with self._lock:
+            self._close(abandon)
+
+    def _close(self, abandon: bool) -> None:
         import torch
 
         if self._closed.is_set():
             return
         self._closing = True
-        failed = self.group is None or self.group.failure is not None
+        failed = self.group is None or self.group.failure is not None or abandon
         if not failed:
             try:
                 self.group.broadcast(None)  # the end
             except Exception:
                 logger.warning("tensor parallel: the ranks could not be told to stop", exc_info=True)
                 failed = True
-        if self.group is not None:
+        if self.group is not None and not abandon:
             self.group.close()
         for p in self.processes:  # workers ignore SIGTERM (`_ignore_stop_signals`): one that lingers is killed
             if failed:

@@ -191,11 +191,13 @@ class TensorParallelRunner(TorchModelRunner):
         ranks.group.broadcast(config)  # every rank makes its runner: its share of the heads of this pool
         super().__init__(model, config, backend=backend)
         self.ranks = ranks  # pagoda.model.ranks.Ranks
+        self._in_step = False  # a step's collectives are in flight (on the engine's thread)
 
     def run(self, plan: StepPlan) -> Tensor | None:
         group = self.ranks.group
-        group.broadcast(plan)
+        self._in_step = True
         try:
+            group.broadcast(plan)
             return super().run(plan)
         except GroupFailure:
             raise
@@ -204,6 +206,8 @@ class TensorParallelRunner(TorchModelRunner):
             # of collectives can never line up again. Not one batch's failure: the group's.
             group.failure = GroupFailure(f"tensor-parallel rank 0 failed inside a step: {exc!r}")
             raise group.failure from exc
+        finally:
+            self._in_step = False
 
     def describe(self) -> dict[str, Any]:
         return {"tensor_parallel": self.ranks.describe()}
@@ -213,7 +217,9 @@ class TensorParallelRunner(TorchModelRunner):
         self.ranks.watch(on_lost)
 
     def close(self) -> None:
-        self.ranks.close()
+        # from another thread while a step is still inside its collectives (a stuck step outlived its engine
+        # loop's stop): the group cannot be ended in order, only abandoned
+        self.ranks.close(abandon=self._in_step)
 
 
 def _set_threads(n: int) -> None:

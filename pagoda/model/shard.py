@@ -52,6 +52,10 @@ class ShardPlan:
             raise ModelConfigError(
                 f"tensor_parallel_size {size} is more than the model's {config.num_key_value_heads} key/value heads "
                 "(num_key_value_heads): each rank needs whole heads")
+        for field, n in (("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+            if size > 1 and n // QUANT_UNIT < size:
+                raise ModelConfigError(f"tensor_parallel_size {size} leaves a rank no part of {field} ({n}): "
+                                       f"each rank needs at least {QUANT_UNIT}")
         group = config.num_attention_heads // config.num_key_value_heads
         kv = partition(config.num_key_value_heads, size, rank)
         return cls(rank=rank, size=size, kv_heads=kv, q_heads=(kv[0] * group, kv[1] * group),

@@ -23,6 +23,8 @@ def test_partition_covers_everything_once_in_order_evenly_and_in_whole_units(n, 
     assert all(start % unit == 0 for start, _ in parts)  # every part starts on a unit
     whole = [(end - start) // unit for start, end in parts[:-1]] + [(parts[-1][1] - parts[-1][0]) // unit]
     assert max(whole) - min(whole) <= 1  # parts differ by at most one unit (the last holds the rest besides)
+    if n // unit >= size:
+        assert min(end - start for start, end in parts) > 0  # ShardPlan refuses the other case
 
 
 def test_the_default_models_heads_split_two_and_one_with_their_query_groups():
@@ -39,9 +41,11 @@ def test_the_default_models_heads_split_two_and_one_with_their_query_groups():
     assert second.rows("k_proj") == (2 * 64, 3 * 64) and second.rows("input_layernorm") is None
 
 
-def test_a_group_larger_than_the_kv_heads_is_refused_naming_the_field():
+def test_a_group_larger_than_the_kv_heads_or_the_units_is_refused_naming_the_field():
     with pytest.raises(ModelConfigError, match="num_key_value_heads"):
         ShardPlan.of(named_config("tiny"), 0, 3)  # 2 KV heads
+    with pytest.raises(ModelConfigError, match="intermediate_size"):
+        ShardPlan.of(named_config("tiny", intermediate_size=32), 0, 2)  # one unit of 32 for two ranks
 
 
 def test_the_loader_reads_only_the_shard_of_each_tensor(tmp_path):
