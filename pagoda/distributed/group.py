@@ -195,15 +195,18 @@ class TensorGroup:
         """Rank 0's `obj` on every rank (one pickled message: its length, then its bytes)."""
         if not self.communicates:
             return obj
+        return self._run("broadcast", 0, self._message, obj)
+
+    def _message(self, obj: Any) -> Any:
         if self.is_first:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             length = torch.empty(1, dtype=torch.int64)
-        self._run("broadcast", length.nbytes, self._send_or_receive, length)
+        self._send_or_receive(length)
         if not self.is_first:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._run("broadcast", payload.nbytes, self._send_or_receive, payload)
+        self._send_or_receive(payload)
         return obj if self.is_first else pickle.loads(payload.numpy().tobytes())
 
     def _send_or_receive(self, tensor: Tensor) -> None:
