@@ -18,7 +18,7 @@ until the end or a failed group.
 Faults (docs/distributed.md). A collective that fails (a peer's connection closed, or no answer
 within --distributed-timeout) raises GroupFailure on whichever rank runs it. Rank 0 also watches
 the processes it spawned, so a rank that dies while the server is idle is noticed at once, not
-at the next request. A failed group is torn down, rank 0 terminates the ranks it spawned, and
+at the next request. A failed group is torn down, rank 0 kills the ranks it spawned, and
 every rank exits: a worker with status 1; rank 0's server says why on /health, then exits too.
 A worker ignores SIGINT and SIGTERM: rank 0 gets them too, drains (its steps need every rank), then
 ends the group.
@@ -42,7 +42,7 @@ logger = logging.getLogger("pagoda.distributed")
 
 BACKENDS = ("gloo", "nccl")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-JOIN_TIMEOUT_S = 10.0  # how long a closing rank 0 waits for the ranks it spawned to exit before terminating them
+JOIN_TIMEOUT_S = 10.0  # how long a closing rank 0 waits for the ranks it spawned to exit before killing them
 
 
 @dataclass(frozen=True)
