@@ -34,7 +34,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.config import NAMED_CONFIGS, named_config
 from pagoda.model.factory import EngineOptions, make_engine
-from pagoda.model.ranks import Ranks, WorkerSpec
+from pagoda.model.ranks import sharded_model
 from pagoda.model.llama import build_model
 
 
@@ -152,7 +152,7 @@ def render(rows: list[tuple[str, str, str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pagoda.model.hub import resolve_model
-    from pagoda.model.loader import load_model, load_shard, resolve_device, resolve_dtype
+    from pagoda.model.loader import load_model, resolve_device, resolve_dtype
     from pagoda.model.matmul import quantized_matmul
 
     p = argparse.ArgumentParser(prog="pagoda bench offline", description=__doc__.splitlines()[0])
@@ -192,22 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return load_model(resolve_model(args.model), dtype=dtype, device=device, max_positions=max_len, matmul=matmul,
                           quantization=quantization)
 
-    ranks = None
-    if args.tensor_parallel_size > 1:
-        model_dir = resolve_model(args.model)
-        options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype,
-                                quantization=args.quantization, max_model_len=max_len,
-                                tensor_parallel_size=args.tensor_parallel_size)
-        ranks = Ranks.start(options.parallel, device.type, WorkerSpec(str(model_dir), options))
-        model = load_shard(model_dir, options, ranks.group, 0)
-        config = model.config
-    else:
+    if args.tensor_parallel_size == 1:
         model, config = load()
-    try:
-        return _run(args, model, config, device, dtype, load, ranks)
-    finally:
-        if ranks is not None:
-            ranks.close()
+        return _run(args, model, config, device, dtype, load, None)
+    model_dir = resolve_model(args.model)
+    options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, quantization=args.quantization,
+                            max_model_len=max_len, tensor_parallel_size=args.tensor_parallel_size)
+    with sharded_model(model_dir, options, device.type) as (model, ranks):
+        return _run(args, model, model.config, device, dtype, load, ranks)
 
 
 def _run(args, model, config, device, dtype, load, ranks) -> int:

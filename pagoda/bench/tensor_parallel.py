@@ -169,13 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_measurements(args: argparse.Namespace) -> dict:
+    import dataclasses
+
     import torch
 
-    from pagoda.distributed.group import SOLO
-    from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec
     from pagoda.model.factory import EngineOptions
-    from pagoda.model.loader import load_shard
     from pagoda.model.hub import resolve_model
+    from pagoda.model.loader import load_shard
+    from pagoda.model.ranks import sharded_model
 
     model_dir = resolve_model(args.model, progress=False)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -186,13 +187,12 @@ def run_measurements(args: argparse.Namespace) -> dict:
           "bytes sent a step | collectives a step |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
-        ranks = Ranks.start(ParallelOptions(size), "cpu", WorkerSpec(str(model_dir), options)) if size > 1 else None
-        try:
-            model = load_shard(model_dir, options, ranks.group if ranks else SOLO, 0)
-            runs = [measure(model, ranks, rows, args.steps) for rows in rows_list]
-        finally:
-            if ranks is not None:
-                ranks.close()
+        if size == 1:
+            model = load_shard(model_dir, options)
+            runs = [measure(model, None, rows, args.steps) for rows in rows_list]
+        else:
+            with sharded_model(model_dir, dataclasses.replace(options, tensor_parallel_size=size)) as (model, ranks):
+                runs = [measure(model, ranks, rows, args.steps) for rows in rows_list]
         measured["sizes"][size] = runs
         for r in runs:
             kinds = r["comm_s_by_kind"]

@@ -275,6 +275,20 @@ class Ranks:
         self._closed.set()
 
 
+@contextmanager
+def sharded_model(model_dir: Path | str, options: Any, device_type: str = "cpu") -> Iterator[tuple[Any, Ranks]]:
+    """Rank 0's shard of the model in `model_dir` and the `Ranks` holding the rest, for the length of a `with`
+    (benchmarks and tests: an engine made over it needs `make_engine(..., ranks=ranks)`). `options` are
+    EngineOptions, the same for every rank."""
+    from pagoda.model.loader import load_shard
+
+    ranks = Ranks.start(options.parallel, device_type, WorkerSpec(str(model_dir), options))
+    try:
+        yield load_shard(Path(model_dir), options, ranks.group, 0), ranks
+    finally:
+        ranks.close()
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a worker rank needs to load its shard and join the group (picklable: it crosses a spawn)."""

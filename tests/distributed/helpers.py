@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec
 from pagoda.model.factory import EngineOptions
-from pagoda.model.loader import load_shard
+from pagoda.model.ranks import sharded_model
 
 
 @contextmanager
@@ -18,12 +17,10 @@ def tp_model(model_dir: Path, size: int = 2, **options: Any):
     """Rank 0's shard of the model in `model_dir` and its `Ranks`, the other ranks holding theirs; (model, ranks).
 
     `options` are EngineOptions fields (cpu and float32 by default), the same for every rank."""
-    engine_options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **options})
-    ranks = Ranks.start(ParallelOptions(size), "cpu", WorkerSpec(str(model_dir), engine_options))
-    try:
-        yield load_shard(model_dir, engine_options, ranks.group, 0), ranks
-    finally:
-        ranks.close()
+    engine_options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32",
+                                      "tensor_parallel_size": size, **options})
+    with sharded_model(model_dir, engine_options) as (model, ranks):
+        yield model, ranks
 
 
 def save_model_dir(model: Any, out: Path) -> Path:
