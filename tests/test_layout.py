@@ -23,7 +23,7 @@ ALLOWED = {
     "kernels": set(),
     "core": set(),
     "distributed": {"core"},
-    "model": {"core", "distributed", "kernels"},
+    "model": {"core", "distributed", "kernels", "plugins"},  # plugins: the architecture hook its families implement
     "simulator": {"core"},
     "plugins": {"core"},
     "api": {"core", "plugins"},

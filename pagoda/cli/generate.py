@@ -83,11 +83,13 @@ def _generate(engine, prompt_ids: list[int], params) -> int:
 def _build(args: argparse.Namespace, params):
     """Load the model and tokenizer; an Engine whose pool holds exactly this one request."""
     from pagoda.core.tokenizer import Tokenizer
-    from pagoda.model.config import ModelConfig
+    from pagoda.model.architectures import Architectures, read_config
     from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import EngineOptions, load_engine
     from pagoda.model.hub import resolve_model
+    from pagoda.plugins.manager import collect_architectures, load_plugins
 
+    architectures = Architectures(collect_architectures(load_plugins()))  # installed architecture plugins too
     model_dir = resolve_model(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     if args.raw or not tokenizer.has_chat_template:
@@ -99,7 +101,7 @@ def _build(args: argparse.Namespace, params):
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens")
     total = len(prompt_ids) + params.max_tokens
-    context = ModelConfig.from_file(model_dir).max_position_embeddings
+    context = read_config(model_dir, architectures).max_position_embeddings
     if total > context:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                          f"context of {context} tokens")
@@ -108,7 +110,7 @@ def _build(args: argparse.Namespace, params):
                             num_blocks=-(-total // args.block_size), max_running=1,
                             max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
                             max_model_len=total, enable_prefix_caching=args.prefix_caching,
-                            speculative=args.speculative, **parallel_fields(args))
+                            speculative=args.speculative, architectures=architectures, **parallel_fields(args))
     status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
     if status is not None:
         return status

@@ -19,6 +19,7 @@ from pagoda.cli.parallel_option import add_parallel_options, parallel_fields
 from pagoda.cli.plugins import add_disable_option
 from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
+from pagoda.model.architectures import Architectures
 from pagoda.model.factory import EngineOptions, generation_defaults
 from pagoda.plugins.request_fields import RequestLimits
 
@@ -88,9 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def engine_options(args: argparse.Namespace) -> EngineOptions:
-    """The model and engine options the command line gives (pagoda.model.factory builds the engine from them)."""
-    return EngineOptions(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+def engine_options(args: argparse.Namespace, architectures: Architectures | None = None) -> EngineOptions:
+    """The model and engine options the command line gives (pagoda.model.factory builds the engine from them);
+    `architectures`: the registry the loaded plugins make (None: the built-in families)."""
+    return EngineOptions(architectures=architectures, model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                          block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
@@ -119,15 +121,15 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import build_engine
     from pagoda.model.hub import resolve_model
-    from pagoda.plugins.manager import PluginError, load_plugins
+    from pagoda.plugins.manager import PluginError, collect_architectures, load_plugins
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        options = engine_options(args)
+        plugins = load_plugins(disabled=args.disable_plugin)
+        options = engine_options(args, Architectures(collect_architectures(plugins)))
         status = serve_as_worker(resolve_model(options.model), options)  # under torchrun, a rank other than 0
         if status is not None:
             return status
-        plugins = load_plugins(disabled=args.disable_plugin)
         engine, tokenizer, model_dir = build_engine(options)
     except (ValueError, FileNotFoundError, PluginError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)

@@ -1,20 +1,22 @@
-"""The shape of a Llama-family decoder, read from a Hugging Face `config.json`.
+"""The shape of a decoder, read from a Hugging Face `config.json` by its architecture plugin.
 
-One dataclass covers Llama (1, 2, 3.x), Mistral without a sliding window and
-Qwen2 (which adds biases on q/k/v). Sizes used by tests and benchmarks are
-kept as data in `NAMED_CONFIGS`, so random-weight models of a realistic shape
-need no download.
+One dataclass covers every family pagoda runs: the Llama shape (vocabulary, widths, heads, RoPE), plus the
+fields in which families differ from it (q/k norms, Gemma's norm offset and embedding scale, sliding-window
+layers, soft-capping, a mixture of experts). Each family's plugin (pagoda/model/families/) parses its
+config into it with `common_fields` and its own fields and refusals; `read_config` (pagoda/model/
+architectures.py) finds the plugin through the architectures registry. Sizes used by tests and
+benchmarks are kept as data in `NAMED_CONFIGS`, so random-weight models of a realistic shape need no
+download.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' layer_types
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 class ModelConfigError(ValueError):
@@ -23,14 +25,17 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's frequency-dependent RoPE stretch (`rope_type: llama3`)."""
+    """A RoPE stretch: Llama 3's frequency-dependent one (`llama3`) or plain position interpolation (`linear`)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
+        _require(self.rope_type in ("llama3", "linear"), "rope_scaling.rope_type",
+                 f"{self.rope_type!r} is not supported (supported: llama3, linear)")
         _require(self.factor >= 1, "rope_scaling.factor", f"must be >= 1, got {self.factor}")
         _require(
             0 < self.low_freq_factor < self.high_freq_factor,
@@ -59,7 +64,23 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "LlamaForCausalLM"
+    architecture: str = "LlamaForCausalLM"  # config.json's architectures[0]
+    family: str = "llama"  # the registered Architecture (plugin) that parses and builds it
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): Gemma's 1
+    embedding_multiplier: float = 1.0  # the embedding lookup is scaled by it: Gemma's sqrt(hidden_size)
+    attention_scale: float = 0.0  # scores are q.k times this; 0 = head_dim ** -0.5
+    sliding_window: int = 0  # keys a sliding-window layer sees, itself included (0: none)
+    layer_types: tuple[str, ...] = ()  # per layer, full_attention or sliding_attention (() = every layer full)
+    rope_local_theta: float = 0.0  # the RoPE base of sliding layers, unscaled (Gemma 3); 0 = as the full layers
+    attn_logit_softcapping: float = 0.0  # scores become c * tanh(s / c) (0: none)
+    final_logit_softcapping: float = 0.0  # logits likewise
+    num_experts: int = 0  # a mixture of experts: experts per MoE layer (0: a dense model)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = True  # the top-k routing weights are renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the mixture of experts
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -76,9 +97,27 @@ class ModelConfig:
                  f"({self.num_key_value_heads}) must divide num_attention_heads ({self.num_attention_heads})")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        _require(self.architecture in SUPPORTED_ARCHITECTURES, "architecture",
-                 f"{self.architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        _require(self.hidden_act in HIDDEN_ACTS, "hidden_act",
+                 f"{self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        _require(isinstance(self.sliding_window, int) and self.sliding_window >= 0, "sliding_window",
+                 f"must be a non-negative integer, got {self.sliding_window!r}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            _require(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+                     f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            _require(not unknown, "layer_types", f"holds {sorted(unknown)}: only {FULL_ATTENTION} and {SLIDING_ATTENTION}")
+            _require(self.sliding_window > 0 or SLIDING_ATTENTION not in self.layer_types, "sliding_window",
+                     "must be set where layer_types has sliding_attention layers")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "attention_scale", "rope_local_theta"):
+            _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        if self.num_experts:
+            _require(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                     f"must be 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}")
+            _require(self.moe_intermediate_size >= 1, "moe_intermediate_size", "must be a positive integer")
+            _require(all(0 <= i < self.num_hidden_layers for i in self.moe_layers), "moe_layers",
+                     f"must be layer indices below {self.num_hidden_layers}")
 
     @property
     def q_size(self) -> int:
@@ -88,54 +127,34 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The keys layer `layer` sees (0: all of them): the sliding window where the layer is a sliding one."""
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
+
     def num_parameters(self) -> int:
-        """Parameter count (the embedding counted once when tied)."""
+        """Parameter count (the embedding counted once when tied; every expert counted)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
+        moe = self.num_experts * 3 * h * self.moe_intermediate_size + self.num_experts * h
+        mlps = sum(moe if layer in self.moe_layers else 3 * h * i for layer in range(self.num_hidden_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json", generation: dict[str, Any] | None = None) -> ModelConfig:
-        """Build from the parsed JSON of an HF config (and optionally generation_config.json)."""
-        try:
-            return _parse(raw, generation or {})
-        except (ValueError, TypeError) as exc:  # ModelConfigError is a ValueError
-            raise ModelConfigError(f"{source}: {exc}") from None
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read `config.json` (a file, or the model directory holding it)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"model config not found: {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelConfigError(f"{path}: not valid JSON ({exc})") from None
-        generation_path = path.parent / "generation_config.json"
-        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
-        return cls.from_dict(raw, str(path), generation)
+        return v * h + self.num_hidden_layers * (attn + 2 * h) + mlps + h + head
 
 
-def _parse(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
-    architecture = _architecture(raw)
-    rope = raw.get("rope_parameters") or {}  # transformers >= 5 nests theta and scaling here
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if architecture == "MistralForCausalLM":
-        window = raw.get("sliding_window")
-        if window is not None and window < raw.get("max_position_embeddings", 0):
-            raise ModelConfigError(f"field 'sliding_window' = {window}: sliding-window attention is not supported")
-    if raw.get("use_sliding_window"):
-        raise ModelConfigError("field 'use_sliding_window' = true: sliding-window attention is not supported")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"field 'hidden_act' = {raw['hidden_act']!r}: only 'silu' is supported")
-    qwen = architecture == "Qwen2ForCausalLM"
-    attention_bias = bool(raw.get("attention_bias", False))
+def common_fields(raw: Mapping[str, Any], generation: Mapping[str, Any], *, acts: tuple[str, ...] = ("silu",)) -> dict[str, Any]:
+    """The Llama-shaped fields every family shares, read from config.json (refusing what no family runs).
+
+    RoPE is read in both spellings (`rope_theta` + `rope_scaling`, transformers 4; `rope_parameters`,
+    transformers 5); sliding windows from `sliding_window` with `layer_types` (or `use_sliding_window`)."""
+    rope = _rope_parameters(raw)
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in acts:
+        raise ModelConfigError(f"field 'hidden_act' = {act!r}: only {' or '.join(map(repr, acts))} is supported")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError(f"field 'partial_rotary_factor' = {rope['partial_rotary_factor']}: "
+                               "only a rotary embedding over the whole head is supported")
     fields = dict(
         vocab_size=_field(raw, "vocab_size"),
         hidden_size=_field(raw, "hidden_size"),
@@ -145,49 +164,71 @@ def _parse(raw: dict[str, Any], generation: dict[str, Any]) -> ModelConfig:
         num_key_value_heads=raw.get("num_key_value_heads") or _field(raw, "num_attention_heads"),
         head_dim=raw.get("head_dim") or 0,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(theta),
-        rope_scaling=_rope_scaling(scaling),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling(rope),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qwen or attention_bias,
-        o_proj_bias=attention_bias and not qwen,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw.get("eos_token_id")) + _eos_ids(generation.get("eos_token_id")),
-        architecture=architecture,
+        eos_token_ids=tuple(dict.fromkeys(_eos_ids(raw.get("eos_token_id")) + _eos_ids(generation.get("eos_token_id")))),
+        architecture=(raw.get("architectures") or [""])[0],
+        hidden_act=act,
     )
-    fields["eos_token_ids"] = tuple(dict.fromkeys(fields["eos_token_ids"]))  # dedupe, keep order
-    return ModelConfig(**fields)
+    fields.update(sliding_fields(raw, int(fields["num_hidden_layers"])))
+    return fields
 
 
-def _architecture(raw: dict[str, Any]) -> str:
-    names = raw.get("architectures")
-    if names:
-        if not isinstance(names, list) or names[0] not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(f"field 'architectures' = {names!r} is not supported "
-                                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        return names[0]
-    model_type = raw.get("model_type")
-    if model_type not in _MODEL_TYPES:
-        raise ModelConfigError(f"field 'architectures' is missing and 'model_type' = {model_type!r} is not supported "
-                               f"(supported: {', '.join(_MODEL_TYPES)})")
-    return _MODEL_TYPES[model_type]
+def sliding_fields(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """sliding_window and layer_types: transformers 5 writes layer_types; older configs say use_sliding_window
+    (Qwen2/3: the layers from max_window_layers on slide) or, for Mistral, just a sliding_window."""
+    window = raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types:
+        types = tuple(types)
+        if SLIDING_ATTENTION not in types:
+            return {"sliding_window": 0, "layer_types": ()}
+        return {"sliding_window": int(_field(raw, "sliding_window")), "layer_types": types}
+    if "use_sliding_window" in raw:  # the Qwen spelling: off unless asked for
+        if not raw["use_sliding_window"] or window is None:
+            return {"sliding_window": 0, "layer_types": ()}
+        first = int(raw.get("max_window_layers", num_layers))
+        return {"sliding_window": int(window),
+                "layer_types": tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers))}
+    if window is None or window >= raw.get("max_position_embeddings", 0):
+        return {"sliding_window": 0, "layer_types": ()}  # a window wider than the context slides nowhere
+    return {"sliding_window": int(window), "layer_types": ()}
 
 
-def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
-    if not raw:
-        return None
-    kind = raw.get("rope_type", raw.get("type"))
+def _rope_parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """theta and scaling as one dict, from either transformers' spelling (the full layers' where it has two)."""
+    rope = dict(raw.get("rope_parameters") or {})
+    if FULL_ATTENTION in rope:  # per layer type (Gemma 3): the full layers'; a family reads the rest
+        rope = dict(rope[FULL_ATTENTION] or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = raw.get("rope_theta", 10000.0)
+    scaling = raw.get("rope_scaling")
+    if scaling and rope.get("rope_type", "default") == "default":
+        rope.update(scaling)
+    if "partial_rotary_factor" in raw and raw["partial_rotary_factor"] is not None:
+        rope["partial_rotary_factor"] = raw["partial_rotary_factor"]
+    return rope
+
+
+def rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+    """The RoPE stretch a `rope_parameters`-like dict asks for (None for the default, unscaled RoPE)."""
+    kind = rope.get("rope_type", rope.get("type"))
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return RopeScaling(factor=float(rope["factor"]), rope_type="linear")
     if kind != "llama3":
-        raise ModelConfigError(f"field 'rope_scaling' has type {kind!r}; only 'llama3' is supported")
+        raise ModelConfigError(f"field 'rope_scaling' has type {kind!r}; only 'llama3' and 'linear' are supported")
     try:
         return RopeScaling(
-            factor=float(raw["factor"]),
-            low_freq_factor=float(raw["low_freq_factor"]),
-            high_freq_factor=float(raw["high_freq_factor"]),
-            original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
     except KeyError as exc:
         raise ModelConfigError(f"field 'rope_scaling' of type 'llama3' is missing {exc.args[0]!r}") from None
@@ -199,7 +240,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _field(raw: dict[str, Any], name: str) -> Any:
+def _field(raw: Mapping[str, Any], name: str) -> Any:
     if name not in raw:
         raise ModelConfigError(f"required field {name!r} is missing")
     return raw[name]

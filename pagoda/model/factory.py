@@ -36,6 +36,7 @@ from pagoda.core.tokenizer import Tokenizer
 from pagoda.distributed.group import SOLO, TensorGroup
 from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec, group_size
 from pagoda.kernels import AttentionBackend
+from pagoda.model.architectures import Architectures, read_config
 from pagoda.model.config import ModelConfig
 from pagoda.model.llama import Transformer
 from pagoda.model.loader import context_length, load_shard
@@ -65,6 +66,9 @@ class EngineOptions:
     tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks holding one model's shards
     distributed_backend: str | None = None  # --distributed-backend gloo|nccl (None: by the device)
     distributed_timeout: float = 60.0  # --distributed-timeout: seconds a collective may wait for a rank
+    # the architecture plugins the model is looked up in (pagoda serve's: built-in and installed, less the disabled
+    # ones); None: the built-in families. Picklable, so a spawned rank loads its shard through the same plugin.
+    architectures: Architectures | None = None
 
     @property
     def parallel(self) -> ParallelOptions:
@@ -121,7 +125,7 @@ def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -
     from pagoda.model.loader import resolve_device, weight_format
 
     size = group_size(options.parallel)
-    model_config = ModelConfig.from_file(model_dir)
+    model_config = read_config(model_dir, options.architectures)
     context_length(options, model_config)
     ShardPlan.of(model_config, 0, size)  # a group the model cannot be split over is refused before any rank starts
     device = resolve_device(options.device)

@@ -1,4 +1,9 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a flattened, paged batch.
+"""pagoda's decoder layers, and the Llama-shaped decoder built from them, over a flattened, paged batch.
+
+Every architecture plugin (pagoda/model/families/) builds its model here: Llama, Mistral and Qwen2 as
+they are; Qwen3 and Gemma 3 with the q/k norms, Gemma's (1 + w) norms, embedding scale and GeGLU, and
+sliding-window layers (which read their window from the config, per layer); Gemma 3 and Qwen3-MoE with
+a decoder layer of their own (`Transformer(layer=...)`), built from the same parts.
 
 There is no batch axis and no padding to the longest sequence: one step's new
 tokens of every sequence are concatenated into one axis of T rows. Attention
@@ -27,6 +32,7 @@ attention over one sequence, used by tests as the oracle.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,29 +78,40 @@ class StepContext:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
+    """x / rms(x) * (offset + weight): offset 0 for Llama, 1 for Gemma (whose weights are stored as w - 1)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, **factory: Any) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim, **factory))
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [T, H]. Statistics in float32 whatever the weights' dtype; in place on fresh tensors
         # (the same products and sums in the same order, so the same bits as the out-of-place form).
         # float32 rows on an AVX2 CPU: the same formula in one C++ call (pagoda/kernels/cpu_native.py).
-        if x.dtype is self.weight.dtype is torch.float32 and x.dim() == 2 and x.is_cpu and cpu_native.available():
-            return cpu_native.rms_norm(x, self.weight, self.eps)
+        weight = self.weight if not self.offset else self.weight + self.offset  # [H], as Gemma's (1.0 + w)
+        if x.dtype is weight.dtype is torch.float32 and x.dim() == 2 and x.is_cpu and cpu_native.available():
+            return cpu_native.rms_norm(x, weight, self.eps)
         x32 = x.float()
         normed = (x32 * x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype)
-        return normed.mul_(self.weight)
+        return normed.mul_(weight)
+
+    def heads(self, x: Tensor) -> Tensor:
+        """x: [T, heads, D] -> each head normed over D (the q/k norms of Qwen3 and Gemma 3)."""
+        return self(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """Per-pair rotation frequencies [head_dim // 2] (float32), with Llama 3 scaling if configured."""
+def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] (float32), with the config's scaling if any.
+
+    `local`: the sliding layers' RoPE where the config gives them a base of their own (Gemma 3), unscaled."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = config.rope_scaling
+    theta, s = (config.rope_local_theta, None) if local else (config.rope_theta, config.rope_scaling)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":  # position interpolation: every position divided by the factor
+        return inv_freq / s.factor
     # Llama 3: frequencies whose wavelength exceeds the original context are
     # slowed by `factor`, short wavelengths are kept, and the band between is
     # interpolated linearly in (context / wavelength).
@@ -108,14 +125,14 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(in_band, blended, scaled)
 
 
-def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor]:
-    """cos and signed sin tables [max_positions, head_dim] in float32.
+def rope_tables(config: ModelConfig, max_positions: int, *, local: bool = False) -> tuple[Tensor, Tensor]:
+    """cos and signed sin tables [max_positions, head_dim] in float32 (`local`: the sliding layers').
 
     Rotate-half convention: out = x * cos + cat(x2, x1) * sin_signed, where
     sin_signed = cat(-sin, sin) carries rotate_half's negation (exact in IEEE).
     """
     pos = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = pos[:, None] * rope_inv_freq(config)[None, :]  # [P, D/2]
+    freqs = pos[:, None] * rope_inv_freq(config, local=local)[None, :]  # [P, D/2]
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
@@ -131,29 +148,45 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """This rank's heads (all of them in a group of one): q/k/v column-parallel, o row-parallel."""
+    """This rank's heads (all of them in a group of one): q/k/v column-parallel, o row-parallel.
 
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+    What the config says of layer `index`: its sliding window (0: it sees every key), the soft cap on its
+    scores, its scale, whether q and k heads are normed before RoPE, and which RoPE table it rotates by
+    (`rope_index` 1: the sliding layers' own, where the config gives them one)."""
+
+    def __init__(self, config: ModelConfig, index: int, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
                  **factory: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attention_scale or self.head_dim ** -0.5
+        self.window, self.softcap = config.layer_window(index), config.attn_logit_softcapping
+        self.rope_index = 1 if self.window and config.rope_local_theta else 0
+        # the backends' defaults are a full window and no cap: a Llama layer passes nothing
+        self.attention_options = {k: v for k, v in (("sliding_window", self.window), ("softcap", self.softcap)) if v}
         self.group = group
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, matmul, **factory)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias and shard.adds_row_bias, matmul,
                              **factory)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset, **factory)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset, **factory)
 
     def _qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # qkv: the projection of x [Tp, H], over all Tp rows (its row count is what keeps it batch invariant)
         # -> q [n, nh, D], k and v [n, nkv, D] for the first n = len(cos) rows.
         t = cos.shape[0]
         qkv = qkv[:t]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head normed on its own, then rotated
+            q = self.q_norm.heads(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm.heads(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q and k heads are adjacent columns: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(qk, cos, sin)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
@@ -162,7 +195,8 @@ class Attention(nn.Module):
         q, k, v = self._qkv(ctx.threads.linear(self.qkv_proj, x), cos, sin)
         k_cache, v_cache = kv_cache
         ctx.backend.write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-        out = ctx.backend.attention(q.contiguous(), k_cache, v_cache, ctx.meta, self.scale)  # [n, nh, D]
+        out = ctx.backend.attention(q.contiguous(), k_cache, v_cache, ctx.meta, self.scale,
+                                    **self.attention_options)  # [n, nh, D]
         out = out.reshape(n, self.q_size)
         if x.shape[0] > n:  # padding rows carry zeros into o_proj
             out = torch.cat((out, out.new_zeros(x.shape[0] - n, self.q_size)))
@@ -173,19 +207,33 @@ class Attention(nn.Module):
         q, k, v = self._qkv(self.qkv_proj(x), cos, sin)
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # SDPA wants [heads, T, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, D]
+        if not self.attention_options:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:  # a window or a cap: the scores written out
+            scores = (q @ k.transpose(1, 2)) * self.scale  # [heads, T, T]
+            if self.softcap:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            pos = torch.arange(x.shape[0], device=x.device)
+            hidden = pos[None, :] > pos[:, None]  # [T(query), T(key)]: the future
+            if self.window:
+                hidden |= pos[None, :] <= pos[:, None] - self.window
+            out = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
         return self.group.all_reduce(self.o_proj(out.transpose(0, 1).reshape(x.shape[0], self.q_size)))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """This rank's part of the intermediate size: gate/up column-parallel, down row-parallel."""
+    """This rank's part of the intermediate size: gate/up column-parallel, down row-parallel (SwiGLU or GeGLU)."""
 
     def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
                  **factory: Any) -> None:
         super().__init__()
         self.intermediate_size = shard.intermediate_size
         self.group = group
+        self.act = ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, config.mlp_bias, matmul, **factory)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, config.mlp_bias and shard.adds_row_bias,
                                 matmul, **factory)
@@ -193,22 +241,32 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, threads: LinearThreads = SAME_THREADS) -> Tensor:
         # x: [T, H] -> gate, up: [T, I] -> [T, H]
         gate, up = threads.linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return self.group.all_reduce(threads.linear(self.down_proj, F.silu(gate).mul_(up)))
+        return self.group.all_reduce(threads.linear(self.down_proj, self.act(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
+    """A pre-norm layer: x + attention(norm(x)), then h + mlp(norm(h)) (Llama, Mistral, Qwen2/3, Phi-3)."""
+
+    def __init__(self, config: ModelConfig, index: int, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
                  **factory: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = Attention(config, matmul, shard, group, **factory)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, **factory)
+        self.self_attn = Attention(config, index, matmul, shard, group, **factory)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, **factory)
         self.mlp = MLP(config, matmul, shard, group, **factory)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: tuple[Tensor, Tensor], ctx: StepContext) -> Tensor:
         # the residual adds land in the sublayers' fresh outputs (a + x is x + a, bit for bit)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, ctx).add_(x)
         return self.mlp(self.post_attention_layernorm(h), ctx.threads).add_(h)
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The layer over one whole sequence x [T, H] with plain attention (the test oracle)."""
+        h = x + self.self_attn.forward_dense(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+LayerFactory = Callable[..., nn.Module]  # (config, index, matmul, shard, group, **factory) -> a decoder layer
 
 
 class VocabEmbedding(nn.Embedding):
@@ -234,18 +292,18 @@ class DecoderStack(nn.Module):
     """Embedding, layers and final norm: named like HF's `model.*`."""
 
     def __init__(self, config: ModelConfig, matmul: MatmulKernel, shard: ShardPlan, group: TensorGroup,
-                 **factory: Any) -> None:
+                 layer: LayerFactory, **factory: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(shard, config.hidden_size, group, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, matmul, shard, group, **factory)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.layers = nn.ModuleList(layer(config, i, matmul, shard, group, **factory)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset, **factory)
 
 
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None, *, matmul: MatmulKernel = PLAIN,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 shard: ShardPlan | None = None, group: TensorGroup = SOLO) -> None:
+                 shard: ShardPlan | None = None, group: TensorGroup = SOLO, layer: LayerFactory = DecoderLayer) -> None:
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = config
@@ -253,21 +311,41 @@ class Transformer(nn.Module):
         self.shard = shard or ShardPlan.whole(config)  # what this rank holds (everything in a group of one)
         self.group = group
         self.max_positions = max_positions or config.max_position_embeddings
-        self.model = DecoderStack(config, matmul, self.shard, group, **factory)
+        self.model = DecoderStack(config, matmul, self.shard, group, layer, **factory)
         self.lm_head = None  # tied: the LM head is the embedding matrix
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, self.shard.vocab_size, False, matmul, **factory)
         self.lm_head_packed = PackedWeight(matmul)
         self.register_buffer("rope_cos", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
         self.register_buffer("rope_sin", torch.empty(self.max_positions, config.head_dim, **factory), persistent=False)
+        # the sliding layers' own table (rope_index 1), where the config gives them a RoPE base of their own
+        self.local_rope = any(layer.self_attn.rope_index for layer in self.model.layers)
+        if self.local_rope:
+            self.register_buffer("rope_cos_local", torch.empty_like(self.rope_cos), persistent=False)
+            self.register_buffer("rope_sin_local", torch.empty_like(self.rope_sin), persistent=False)
         if self.rope_cos.device.type != "meta":
             self.init_rope()
 
     def init_rope(self) -> None:
         """(Re)compute the RoPE tables in float32, stored in the model's dtype (after `to_empty`)."""
-        cos, sin = rope_tables(self.config, self.max_positions)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for local, cos_buf, sin_buf in self._rope_buffers():
+            cos, sin = rope_tables(self.config, self.max_positions, local=local)
+            cos_buf.copy_(cos)
+            sin_buf.copy_(sin)
+
+    def _rope_buffers(self) -> list[tuple[bool, Tensor, Tensor]]:
+        tables = [(False, self.rope_cos, self.rope_sin)]
+        return tables + [(True, self.rope_cos_local, self.rope_sin_local)] if self.local_rope else tables
+
+    def _rope_rows(self, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """(cos, sin) [n, D] of each RoPE table at `positions`, by a layer's `rope_index`."""
+        return [(cos[positions], sin[positions]) for _, cos, sin in self._rope_buffers()]
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """input_ids [T] -> [T, H]: the lookup, scaled where the family scales it (Gemma's sqrt(H))."""
+        h = self.model.embed_tokens(input_ids)
+        m = self.config.embedding_multiplier
+        return h if m == 1.0 else h.mul_(torch.tensor(m, dtype=h.dtype))
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -300,26 +378,26 @@ class Transformer(nn.Module):
         """input_ids, positions: [Tp] -> final-normed hidden states [Tp, H]."""
         assert input_ids.shape == positions.shape and input_ids.dim() == 1, (input_ids.shape, positions.shape)
         assert len(ctx.kv_caches) == len(self.model.layers)
-        real = positions[: ctx.num_tokens]
-        cos, sin = self.rope_cos[real], self.rope_sin[real]  # [n, D]
-        h = self.model.embed_tokens(input_ids)  # [Tp, H]
+        ropes = self._rope_rows(positions[: ctx.num_tokens])  # per table, cos and sin [n, D]
+        h = self.embed(input_ids)  # [Tp, H]
         for layer, kv_cache in zip(self.model.layers, ctx.kv_caches):
-            h = layer(h, cos, sin, kv_cache, ctx)
+            h = layer(h, *ropes[layer.self_attn.rope_index], kv_cache, ctx)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32 (on rank 0; None on the others)."""
         # the LM head may run on its own kernel (a float head over int4 layers): lm_head_packed's
         logits = self.lm_head_packed.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None)
+        if cap := self.config.final_logit_softcapping:  # c * tanh(logits / c), row by row
+            logits = torch.tanh(logits.float() / cap).mul_(cap)
         return self.group.gather_first(logits.float(), list(self.shard.vocab_sizes))
 
     def reference_forward(self, input_ids: Tensor) -> Tensor:
         """Dense, unpaged forward of one sequence: input_ids [T] -> logits [T, V] (the test oracle)."""
-        cos, sin = self.rope_cos[: input_ids.shape[0]], self.rope_sin[: input_ids.shape[0]]
-        h = self.model.embed_tokens(input_ids)
+        ropes = self._rope_rows(torch.arange(input_ids.shape[0], device=input_ids.device))
+        h = self.embed(input_ids)
         for layer in self.model.layers:
-            h = h + layer.self_attn.forward_dense(layer.input_layernorm(h), cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.forward_dense(h, *ropes[layer.self_attn.rope_index])
         return self.compute_logits(self.model.norm(h))
 
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
@@ -329,16 +407,19 @@ class Transformer(nn.Module):
         for name, p in sorted(self.named_parameters()):
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std
-            p.data.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+            one = 1.0 - self.config.norm_offset  # a norm's effective weight is 1 + noise
+            p.data.copy_(one + noise if name.endswith("norm.weight") else noise)
 
 
 def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 max_positions: int | None = None, matmul: MatmulKernel | str | None = None,
-                shard: ShardPlan | None = None, group: TensorGroup = SOLO) -> Transformer:
+                shard: ShardPlan | None = None, group: TensorGroup = SOLO, layer: LayerFactory = DecoderLayer) -> Transformer:
     """A Transformer with uninitialised weights allocated directly on `device` (fill with load_weights).
 
     `matmul` defaults to `select_matmul(device, dtype)`; a name picks one of the kernels.
     `shard` and `group`: this rank's part of a tensor-parallel model (default: all of it, alone).
+    `layer`: the decoder layer a family builds (default: the pre-norm Llama layer); the families'
+    plugins call this with theirs (pagoda/model/families/).
     On a CPU with native bfloat16 products, bfloat16 means bfloat16 weights (`onednn_bf16`, packed by
     the runner) and a float32 model around them: the CPU's elementwise ops and attention are slower in
     bfloat16 than in float32, and float32 activations, norms and KV cache keep the rounding to the weights.
@@ -347,7 +428,8 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.float32, devi
         matmul = select_matmul(device, dtype, matmul)
     if matmul is ONEDNN_BF16:
         dtype = torch.float32  # the kernel holds the bfloat16 copy of each weight
-    model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta", shard=shard, group=group)
+    model = Transformer(config, max_positions, matmul=matmul, dtype=dtype, device="meta", shard=shard, group=group,
+                        layer=layer)
     model.to_empty(device=device)
     model.init_rope()
     return model.eval().requires_grad_(False)

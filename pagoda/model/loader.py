@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ import torch
 from safetensors import safe_open
 
 from pagoda.distributed.group import SOLO, TensorGroup
+from pagoda.model.architectures import Architectures, builtin_architectures, read_config
 from pagoda.model.config import ModelConfig
-from pagoda.model.gguf_import import Q4_1_BLOCKS_FILE
-from pagoda.model.llama import Transformer, build_model
+from pagoda.model.gguf_import import BLOCK_FILES
+from pagoda.model.llama import Transformer
 from pagoda.model.matmul import INT4, ONEDNN_BF16, Linear, PackedWeight, has_onednn_bf16, quantized_matmul, select_matmul
-from pagoda.model.quantize import int4_from_q4_1
+from pagoda.model.quantize import int4_from_gguf_blocks
 from pagoda.model.shard import ShardPlan
+from pagoda.plugins.architecture import CheckpointNames
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -87,33 +90,44 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}{hint}")
 
 
-def iter_checkpoint(files: list[Path], shard: ShardPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every file, read lazily on the CPU; with `shard`, only its part."""
+def iter_checkpoint(files: list[Path], shard: ShardPlan | None = None, names: CheckpointNames | None = None,
+                    config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, read lazily on the CPU; with `shard`, only its part.
+
+    `names` (an architecture's `checkpoint_names`) splits a fused tensor into the names it holds, each with
+    its rows of the tensor (Phi-3's qkv_proj into q_proj, k_proj and v_proj): what is yielded is always the
+    Llama-style names the model's parameters are stacked from."""
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                if shard is None or shard.size == 1:
-                    yield name, reader.get_tensor(name)
-                elif (part := read_shard(reader, name, shard)) is not None:
-                    yield name, part
+            for stored in reader.keys():
+                for name, rows in (names(stored, config) if names else [(stored, None)]):
+                    if shard is None or shard.size == 1:
+                        tensor = reader.get_tensor(stored) if rows is None else reader.get_slice(stored)[rows[0]:rows[1]]
+                        yield name, tensor
+                    elif (part := read_shard(reader, name, shard, stored=stored, offset=rows[0] if rows else 0)) is not None:
+                        yield name, part
 
 
-def read_shard(reader: Any, name: str, shard: ShardPlan, *, per: int = 1) -> torch.Tensor | None:
+def read_shard(reader: Any, name: str, shard: ShardPlan, *, per: int = 1, stored: str | None = None,
+               offset: int = 0) -> torch.Tensor | None:
     """The part of checkpoint tensor `name` that `shard` holds (None: a row-parallel bias another rank adds).
 
     `per` > 1 reads a blocked tensor whose second axis holds blocks of `per` input columns (Q4_1's 32);
-    a column range that does not fall on block bounds is None too (the rank quantizes its shard itself)."""
+    a column range that does not fall on block bounds is None too (the rank quantizes its shard itself).
+    `stored` and `offset`: `name` is the rows from `offset` on of the fused tensor `stored` (Phi-3's)."""
     parts = name.rsplit(".", 2)
     proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
-    sliced = reader.get_slice(name)
+    sliced = reader.get_slice(stored or name)
     if (rows := shard.rows(proj)) is not None:
-        return sliced[rows[0]:rows[1]]
+        return sliced[offset + rows[0]:offset + rows[1]]
     if (cols := shard.columns(proj)) is not None:
         if kind == "bias":
             return sliced[:] if shard.adds_row_bias else None
         if cols[0] % per or cols[1] % per:
             return None
         return sliced[:, cols[0] // per:cols[1] // per]
+    if stored is not None and stored != name:
+        raise ValueError(f"checkpoint tensor {stored!r}: its part {name!r} cannot be split over ranks")
     return sliced[:]
 
 
@@ -127,6 +141,7 @@ def load_model(
     lm_head: str | None = None,
     shard: ShardPlan | None = None,
     group: TensorGroup = SOLO,
+    architectures: Architectures | None = None,
 ) -> tuple[Transformer, ModelConfig]:
     """Load an HF directory into a Transformer on `device` in `dtype` ('auto' picks per device).
 
@@ -134,23 +149,26 @@ def load_model(
     `matmul` names a MatmulKernel (default: the batch-invariant one for the device, or the quantization's);
     `quantization` int8/int4 is a weight format of the linear layers (the rest of the model is float32),
     the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD);
-    `shard` and `group`: one tensor-parallel rank's part of the model, read alone (default: all of it).
+    `shard` and `group`: one tensor-parallel rank's part of the model, read alone (default: all of it);
+    `architectures`: the registry whose plugin parses and builds the model (default: the built-in families).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    config = ModelConfig.from_file(model_dir / "config.json")
+    architectures = architectures or builtin_architectures()
+    config = read_config(model_dir / "config.json", architectures)
+    arch = architectures.of(config)
     files = checkpoint_files(model_dir)
     device = resolve_device(device)
     kernel = quantized_matmul(quantization, device)
     if kernel is None:
-        model = build_model(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
-                            matmul=matmul, shard=shard, group=group)
+        model = arch.build(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
+                           matmul=matmul, shard=shard, group=group)
     else:
         if matmul is not None:  # another kernel of the same format (benchmarks compare them)
             kernel = select_matmul(device, name=matmul)
-        model = build_model(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel,
-                            shard=shard, group=group)
+        model = arch.build(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel,
+                           shard=shard, group=group)
         head = lm_head or DEFAULT_LM_HEAD[kernel.name]
         if head not in LM_HEAD_FORMATS:
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {head!r}")
@@ -159,7 +177,7 @@ def load_model(
         elif head != quantization and (head_kernel := quantized_matmul(head, device)) is not kernel:
             model.lm_head_packed = PackedWeight(head_kernel)
     try:
-        load_weights(model, iter_checkpoint(files, model.shard))
+        load_weights(model, iter_checkpoint(files, model.shard, arch.checkpoint_names, config))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
     if kernel is INT4:
@@ -174,28 +192,30 @@ def weight_format(model: Transformer) -> str:
 
 
 def adopt_q4_1_blocks(model: Transformer, model_dir: Path) -> int:
-    """Pack int4 layers from a GGUF import's own Q4_1 blocks (no second rounding); returns how many."""
-    path = model_dir / Q4_1_BLOCKS_FILE
-    if not path.is_file():
+    """Pack int4 layers from a GGUF import's own Q4_0 / Q4_1 blocks (no second rounding); returns how many."""
+    paths = [model_dir / name for name in BLOCK_FILES.values() if (model_dir / name).is_file()]
+    if not paths:
         return 0
     targets = [(f"{name}.weight", m.packed, m.weight) for name, m in model.named_modules()
                if isinstance(m, Linear) and m is not model.lm_head]
     if model.lm_head is not None and model.lm_head_packed.matmul is INT4:
         targets.append(("lm_head.weight", model.lm_head_packed, model.lm_head.weight))
     adopted = 0
-    with safe_open(str(path), framework="pt", device="cpu") as reader:
-        stored = set(reader.keys())
+    with ExitStack() as stack:
+        readers = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in paths]
+        holder = {key: reader for reader in readers for key in reader.keys()}  # HF name -> the file holding its blocks
         for name, packed, weight in targets:
             parts = hf_names(name)
-            if not all(p in stored for p in parts):
+            if not all(p in holder for p in parts):
                 continue  # another GGUF type: quantized from float at packing
-            shards = [read_shard(reader, p, model.shard, per=32) for p in parts]
+            shards = [read_shard(holder[p], p, model.shard, per=32) for p in parts]
             if any(b is None for b in shards):
                 continue  # this rank's columns split a block: quantized from its float shard at packing
-            blocks = torch.cat(shards)  # [out, in/32, 20], stacked rows
-            if blocks.shape[0] != weight.shape[0] or blocks.shape[1] * 32 != weight.shape[1]:
-                raise ValueError(f"{path}: blocks of {name} have shape {tuple(blocks.shape)}, weight {tuple(weight.shape)}")
-            packed.adopt(int4_from_q4_1(blocks), weight)
+            rows, groups = sum(b.shape[0] for b in shards), shards[0].shape[1]  # [out, in/32, bytes] each, stacked rows
+            if rows != weight.shape[0] or any(b.shape[1] != groups for b in shards) or groups * 32 != weight.shape[1]:
+                raise ValueError(f"{model_dir}: blocks of {name} have shapes {[tuple(b.shape) for b in shards]}, "
+                                 f"weight {tuple(weight.shape)}")
+            packed.adopt(int4_from_gguf_blocks(shards), weight)
             adopted += 1
     return adopted
 
@@ -261,13 +281,16 @@ def context_length(options: Any, model_config: ModelConfig) -> int:
 
 def load_shard(model_dir: Path, options: Any, group: TensorGroup = SOLO,
                local_rank: int | None = None) -> Transformer:
-    """The part of the model in `model_dir` that `group`'s rank holds (all of it in a group of one)."""
+    """The part of the model in `model_dir` that `group`'s rank holds (all of it in a group of one); its
+    architecture plugin comes from `options.architectures` (EngineOptions': the built-in ones when None)."""
+    architectures = options.architectures
     device = resolve_device(options.device)
     if device.type == "cuda" and local_rank is not None:
         device = torch.device("cuda", local_rank)
-    model_config = ModelConfig.from_file(model_dir)
+    model_config = read_config(model_dir, architectures)
     max_positions = context_length(options, model_config)  # refused before any weight loads
     shard = ShardPlan.of(model_config, group.rank, group.size)  # refuses a group larger than the KV heads
     model, _ = load_model(model_dir, dtype=resolve_dtype(options.dtype, device), device=device,
-                          max_positions=max_positions, quantization=options.quantization, shard=shard, group=group)
+                          max_positions=max_positions, quantization=options.quantization, shard=shard, group=group,
+                          architectures=architectures)
     return model

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pluggy import HookimplMarker, HookspecMarker
 
 if TYPE_CHECKING:
+    from pagoda.plugins.architecture import Architecture
     from pagoda.plugins.disconnect import DisconnectPolicy
     from pagoda.plugins.protocol import Endpoint
     from pagoda.plugins.route import Route, ServedModel
@@ -48,6 +49,11 @@ def pagoda_register_routes(register: Callable[[Route], None]) -> None:
 @hookspec
 def pagoda_register_tool_parsers(register: Callable[[ToolParser], None]) -> None:
     """Register tool-call parsers (a model family's call syntax; chosen by --tool-parser)."""
+
+
+@hookspec
+def pagoda_register_architectures(register: Callable[[Architecture], None]) -> None:
+    """Register model architectures (a family's config parsing, module, weight names and GGUF layout)."""
 
 
 @hookspec

@@ -36,6 +36,7 @@ from typing import Any
 import pluggy
 
 from pagoda.plugins import hookspecs
+from pagoda.plugins.architecture import Architecture
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.protocol import Endpoint
 from pagoda.plugins.route import Route, ServedModel
@@ -53,6 +54,10 @@ BUILTIN_PLUGINS = {
     "tokenize": "pagoda.plugins.builtin.tokenize",  # POST /tokenize, /detokenize
     "chat_page": "pagoda.plugins.builtin.chat_page",  # GET /
     "tool_parsers": "pagoda.plugins.builtin.tool_parsers",  # hermes, llama3_json
+    # model architectures: each family a plugin in the model room, built from pagoda's layers
+    "llama": "pagoda.model.families.llama",  # LlamaForCausalLM
+    "mistral": "pagoda.model.families.mistral",  # MistralForCausalLM
+    "qwen2": "pagoda.model.families.qwen2",  # Qwen2ForCausalLM
 }
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"
@@ -166,6 +171,11 @@ def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
         parsers: list[ToolParser] = []
         impl.function(register=parsers.append)
         found.setdefault(impl.plugin_name, []).extend(f"tool parser {p.name!r}" for p in parsers)
+    for impl in pm.hook.pagoda_register_architectures.get_hookimpls():
+        archs: list[Architecture] = []
+        impl.function(register=archs.append)
+        found.setdefault(impl.plugin_name, []).extend(
+            f"architecture {a.name!r} ({', '.join(a.hf_architectures)})" for a in archs)
     for impl in pm.hook.pagoda_model_card.get_hookimpls():
         fields = impl.function(model=ServedModel(name="model", created=0, max_model_len=0)) or {}
         found.setdefault(impl.plugin_name, []).append(f"model card fields: {', '.join(fields)}")
@@ -195,6 +205,20 @@ def collect_tool_parsers(pm: pluggy.PluginManager) -> dict[str, ToolParser]:
     pm.hook.pagoda_register_tool_parsers(register=parsers.append)
     _check_unique(parsers, "name", "tool parsers")
     return {p.name: p for p in parsers}
+
+
+def collect_architectures(pm: pluggy.PluginManager) -> list[Architecture]:
+    """Every architecture the plugins register; two with one name, or claiming one config name, is an error."""
+    archs: list[Architecture] = []
+    pm.hook.pagoda_register_architectures(register=archs.append)
+    _check_unique(archs, "name", "architectures")
+    claimed: dict[str, str] = {}
+    for arch in archs:
+        for key in (*arch.hf_architectures, *(f"model_type {t}" for t in arch.model_types)):
+            if key in claimed:
+                raise PluginError(f"architectures {claimed[key]!r} and {arch.name!r} both claim {key!r}")
+            claimed[key] = arch.name
+    return archs
 
 
 def collect_routes(pm: pluggy.PluginManager) -> list[Route]:

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda.model.config import ModelConfig, ModelConfigError
+from pagoda.model.architectures import parse_config
 from pagoda.model.loader import checkpoint_files, load_model, resolve_dtype
 from pagoda.model.matmul import has_onednn_bf16
 from tests.model.test_llama import empty_caches, paged_step
@@ -150,13 +151,13 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
         ({"architectures": ["GPT2LMHeadModel"]}, r"config\.json: field 'architectures' = \['GPT2LMHeadModel'\] is not supported"),
         ({"architectures": None, "model_type": "gpt2"}, r"'model_type' = 'gpt2' is not supported"),
         ({"hidden_size": None}, r"config\.json: required field 'hidden_size' is missing"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling' has type 'yarn'; only 'llama3' is supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling' has type 'yarn'; only 'llama3' and 'linear' are supported"),
         ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, r"rope_scaling' of type 'llama3' is missing 'low_freq_factor'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                            "original_max_position_embeddings": 8192}}, r"rope_scaling\.low_freq_factor must be"),
         ({"num_key_value_heads": 3}, r"num_key_value_heads \(3\) must divide num_attention_heads \(4\)"),
         ({"hidden_act": "gelu"}, r"field 'hidden_act' = 'gelu': only 'silu' is supported"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 32}, r"sliding-window attention is not supported"),
+        ({"sliding_window": 32}, r"field 'sliding_window' = 32: a Llama has no sliding window"),
     ],
 )
 def test_bad_configs_are_refused_with_the_field_named(tmp_path, changes, message):
@@ -170,10 +171,10 @@ def test_config_reads_old_and_new_rope_fields_and_eos_lists(tmp_path):
     old = {"architectures": ["LlamaForCausalLM"], **TINY, "rope_theta": 500000.0, "eos_token_id": [2, 7],
            "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192}}
-    config = ModelConfig.from_dict(old)
+    config = parse_config(old)
     assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 8.0 and config.eos_token_ids == (2, 7)
     new = {**old, "rope_theta": None, "rope_scaling": None,
            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
-    config = ModelConfig.from_dict(new, generation={"eos_token_id": [9, 2]})
+    config = parse_config(new, generation={"eos_token_id": [9, 2]})
     assert config.rope_theta == 100000.0 and config.rope_scaling is None and config.eos_token_ids == (2, 7, 9)
     assert config.head_dim == 16
