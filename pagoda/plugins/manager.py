@@ -58,6 +58,10 @@ BUILTIN_PLUGINS = {
     "llama": "pagoda.model.families.llama",  # LlamaForCausalLM
     "mistral": "pagoda.model.families.mistral",  # MistralForCausalLM
     "qwen2": "pagoda.model.families.qwen2",  # Qwen2ForCausalLM
+    "qwen3": "pagoda.model.families.qwen3",  # Qwen3ForCausalLM
+    "gemma3": "pagoda.model.families.gemma3",  # Gemma3ForCausalLM
+    "phi3": "pagoda.model.families.phi3",  # Phi3ForCausalLM
+    "qwen3_moe": "pagoda.model.families.qwen3_moe",  # Qwen3MoeForCausalLM
 }
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"

@@ -35,6 +35,7 @@ class ServedModel:
     created: int  # unix seconds: when the server was built
     max_model_len: int  # prompt + output tokens of one request
     aliases: tuple[str, ...] = ()  # more names clients may send for it (--served-model-name A B ...)
+    architecture: Mapping[str, str] | None = None  # {"name": config's class, "plugin": the architecture plugin}
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pagoda.model.config import ModelConfigError
+
 from pagoda.api.settings import ServeSettings
 from pagoda.plugins.manager import BUILTIN_PLUGINS, collect_endpoints, collect_routes, load_plugins
 from tests.server_fixtures import TINY_ENGINE, TINY_NAME, start_server
@@ -43,8 +45,11 @@ def ask(http: httpx.Client, probe: str) -> httpx.Response:
     return http.request(method, path, json=PROBES[probe]) if PROBES[probe] is not None else http.request(method, path)
 
 
+ARCHITECTURES = sorted(n for n, module in BUILTIN_PLUGINS.items() if module.startswith("pagoda.model.families."))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BUILTIN_PLUGINS))
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_PLUGINS) - set(ARCHITECTURES)))
 def test_each_builtin_can_be_left_out_alone(name, tiny_model_dir):
     settings = ServeSettings(disabled_plugins=(name,),
                              disconnect_policy="finish" if name == "disconnect_abort" else "abort",
@@ -68,6 +73,23 @@ def test_each_builtin_can_be_left_out_alone(name, tiny_model_dir):
         if name == "anthropic_messages":
             assert "display_name" not in card and card["object"] == "model"
         live.assert_pool_whole()
+    finally:
+        live.server.stop()
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_an_architecture_left_out_is_one_the_server_cannot_load(name, tiny_model_dir):
+    """The tiny model is a Llama: without the llama plugin it is refused by name; without any other, it serves."""
+    settings = ServeSettings(disabled_plugins=(name,))
+    if name == "llama":
+        with pytest.raises(ModelConfigError, match=r"'architectures' = \['LlamaForCausalLM'\] is not supported"):
+            start_server(tiny_model_dir, TINY_NAME, settings=settings, environ={"PAGODA_PLUGINS": "none"}, **TINY_ENGINE)
+        return
+    live = start_server(tiny_model_dir, TINY_NAME, settings=settings, environ={"PAGODA_PLUGINS": "none"}, **TINY_ENGINE)
+    try:
+        with live.http() as http:
+            assert http.get("/v1/models").json()["data"][0]["architecture"] == {"name": "LlamaForCausalLM",
+                                                                               "plugin": "llama"}
     finally:
         live.server.stop()
 

@@ -4,7 +4,7 @@ The card is not written here: each protocol family adds its own fields through
 the `pagoda_model_card` hook (OpenAI's id/object/created/owned_by from each
 OpenAI endpoint, Anthropic's id/type/display_name/created_at from
 anthropic_messages), and the server merges them into `RouteContext.card`.
-This plugin adds pagoda's own `max_model_len` and serves the card. The list
+This plugin adds pagoda's own `max_model_len` and `architecture` and serves the card. The list
 envelope is read by both SDKs: OpenAI's reads `object` and `data`, Anthropic's
 pages with `has_more`, `first_id` and `last_id`. The routes are OpenAI's in
 origin, so their errors are in OpenAI's shape.
@@ -55,5 +55,9 @@ def pagoda_register_routes(register):
 
 @hookimpl
 def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
-    """pagoda's own field: the context length of one request (as vLLM reports it)."""
-    return {"max_model_len": model.max_model_len}
+    """pagoda's own fields: the context length of one request (as vLLM reports it), and which architecture
+    (config class and plugin) serves."""
+    card: dict[str, Any] = {"max_model_len": model.max_model_len}
+    if model.architecture:
+        card["architecture"] = dict(model.architecture)
+    return card
