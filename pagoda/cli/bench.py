@@ -21,6 +21,7 @@ BENCHMARKS = {
     "roofline": "pagoda.bench.roofline",
     "step-parts": "pagoda.bench.step_parts",
     "tensor-parallel": "pagoda.bench.tensor_parallel",
+    "moe": "pagoda.bench.moe",
 }
 
 

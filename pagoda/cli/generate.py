@@ -90,7 +90,7 @@ def _build(args: argparse.Namespace, params):
     from pagoda.plugins.manager import collect_architectures, load_plugins
 
     architectures = Architectures(collect_architectures(load_plugins()))  # installed architecture plugins too
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, layouts=architectures.gguf_layouts)
     tokenizer = Tokenizer.from_dir(model_dir)
     if args.raw or not tokenizer.has_chat_template:
         if not args.raw:

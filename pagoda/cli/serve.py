@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plugins = load_plugins(disabled=args.disable_plugin)
         options = engine_options(args, Architectures(collect_architectures(plugins)))
-        status = serve_as_worker(resolve_model(options.model), options)  # under torchrun, a rank other than 0
+        model_dir = resolve_model(options.model, layouts=options.architectures.gguf_layouts)
+        status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
         if status is not None:
             return status
         engine, tokenizer, model_dir = build_engine(options)

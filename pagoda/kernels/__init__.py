@@ -37,9 +37,15 @@ class AttentionBackend(Protocol):
         ...
 
     def attention(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-    ) -> Tensor:
-        """q [T, H, D] -> out [T, H, D]: each sequence's new tokens attend causally to its whole context."""
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, *,
+        sliding_window: int = 0, softcap: float = 0.0,
+    ) -> Tensor:  # fmt: skip
+        """q [T, H, D] -> out [T, H, D]: each sequence's new tokens attend causally to its context.
+
+        sliding_window W > 0: a token at position p sees only keys p - W < k <= p (the last W, itself
+        included); 0 means the whole context. softcap c > 0: each scaled score s becomes c * tanh(s / c)
+        before masking and softmax; 0 means none. The defaults give plain causal attention, bit for bit.
+        """
         ...
 
 

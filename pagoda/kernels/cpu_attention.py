@@ -25,6 +25,15 @@ the arithmetic done for one row depends only on that row's query and context:
   chunk cut short in one batch and not in another gives the same bits.
   torch.exp is used, not the faster exp2, whose vector and scalar-tail code
   disagree in the last bit on this build.
+* A sliding window W hides keys at or before pos - W as well, and soft-capping
+  c replaces a score s by c * tanh(s / c) (torch.tanh: on the CI machine its
+  vector and scalar-tail code agree at every offset and length measured, like
+  torch.exp). A row may then see nothing in a chunk, and a step's first chunk
+  (the one holding its earliest key) may lie before a row's window: its max
+  stays -inf there, and the fold subtracts 0 instead (exp(-inf - 0) = 0, so
+  alpha and the weights are 0, never NaN); the state stays exact zeros until
+  the row's first key. Where no window is set none of this runs and the ops
+  are the ones above.
 
 Which rows are folded together, and which blocks each group reads, is the
 step's `AttentionPlan` (`cpu_plan.py`, where the sizes above are set): the
@@ -55,14 +64,18 @@ def cpu_attention(
     workspace: Workspace | None = None,
     out: Tensor | None = None,
     plan: AttentionPlan | None = None,
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """q [T, H, D] -> out [T, H, D]; causal paged attention, bitwise batch invariant per row."""
+    """q [T, H, D] -> out [T, H, D]; causal paged attention (the last sliding_window keys if > 0, scores
+    soft-capped if softcap > 0), bitwise batch invariant per row. A given plan must be built for the window."""
     ws = workspace or Workspace()
     out = torch.empty_like(q) if out is None else out
     num_kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     if plan is None:
-        plan = AttentionPlan.build(meta, k_cache.shape[1], num_kv_heads, group, dim)
+        plan = AttentionPlan.build(meta, k_cache.shape[1], num_kv_heads, group, dim, sliding_window)
     for rs in plan.row_sets:
         n, qlen = len(rs.seqs), rs.num_tokens
         # rows of kv head h: (token t, query head h * G + g) at row t * G + g, zero-padded to rs.rows
@@ -71,7 +84,7 @@ def cpu_attention(
             q_rows[:, :, qlen * group :].zero_()
         src = q[rs.tokens].view(n, qlen, num_kv_heads, group, dim).permute(2, 0, 1, 3, 4).float()
         torch.mul(src, scale, out=q_rows[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, dim))
-        numer, denom = _attend_rows(q_rows, rs, k_cache, v_cache, ws)  # [KVH, N, R, D], [KVH, N, R, 1]
+        numer, denom = _attend_rows(q_rows, rs, k_cache, v_cache, ws, softcap)  # [KVH, N, R, D], [KVH, N, R, 1]
         numer = numer[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, dim)
         denom = denom[:, :, : qlen * group].view(num_kv_heads, n, qlen, group, 1)
         if isinstance(rs.tokens, slice):  # divide straight into out's rows, in its dtype
@@ -85,19 +98,21 @@ def cpu_attention(
     return out
 
 
-def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
+def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Workspace,
+                 softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """q [KVH, N, R, D] (scaled) -> softmax-weighted V [KVH, N, R, D] and its weight sum [KVH, N, R, 1].
 
     Chunk c holds keys [c * chunk, (c + 1) * chunk) whatever the batch, and chunks are folded in
     order. A chunk wholly after a row's position leaves it exactly unchanged (alpha = exp(0) = 1,
-    nothing added), so the row's bits depend only on the chunks it sees.
+    nothing added), so the row's bits depend only on the chunks it sees. With a sliding window, a
+    chunk wholly before a row's window leaves its state at exact zeros (max -inf, alpha 0).
     """
     num_kv_heads, n, rows, dim = q.shape
     if len(rs.chunks) == 1 and rs.step >= rows:  # one fold: its result is the answer
         kc = rs.chunks[0]
         k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws, zero_keys=False)
-        keys = min(kc.length, round_up(rs.last_pos[0] + 1, TILE))
-        numer, denom, _ = _fold_chunk(q, rs, 0, rows, k[:, :keys], v[:, :keys], kc, ws)
+        keys = min(kc.length, round_up(rs.last_pos[0] + 1 - kc.start, TILE))
+        numer, denom, _, _ = _fold_chunk(q, rs, 0, rows, k[:, :keys], v[:, :keys], kc, ws, None, softcap)
         return numer, denom
     numer = ws.get("numer", (num_kv_heads, n, rows, dim))
     denom = ws.get("denom", (num_kv_heads, n, rows, 1))
@@ -106,28 +121,32 @@ def _attend_rows(q: Tensor, rs: RowSet, k_cache: Tensor, v_cache: Tensor, ws: Wo
         k, v = gather_blocks(k_cache, v_cache, kc.blocks, n, kc.past_end, ws, zero_keys=False)
         for i, lo in enumerate(range(0, rows, rs.step)):
             hi = min(rows, lo + rs.step)
-            if rs.last_pos[i] < kc.start:
-                continue  # every row of the step is before this chunk: folding it in is a no-op
+            if rs.last_pos[i] < kc.start or rs.first_key[i] >= kc.start + kc.length:
+                continue  # every row of the step is before this chunk, or the chunk before every window: a no-op
             keys = min(kc.length, round_up(rs.last_pos[i] + 1 - kc.start, TILE))  # tiles after every row: no-ops
-            m = row_max[:, :, lo:hi] if kc.start else None
-            c_numer, c_denom, c_max = _fold_chunk(q, rs, lo, hi, k[:, :keys], v[:, :keys], kc, ws, m)
-            if kc.start == 0:  # a row's first chunk: every row sees key 0
+            first = kc.start <= rs.first_key[i]  # the step's first chunk (chunk 0 without a window)
+            m = None if first else row_max[:, :, lo:hi]
+            c_numer, c_denom, c_max, c_sub = _fold_chunk(q, rs, lo, hi, k[:, :keys], v[:, :keys], kc, ws, m, softcap)
+            if first:  # it sets the step's state (a row whose window starts later: zeros and max -inf)
                 numer[:, :, lo:hi].copy_(c_numer)
                 denom[:, :, lo:hi].copy_(c_denom)
                 row_max[:, :, lo:hi].copy_(c_max)
                 continue
-            alpha = torch.exp(row_max[:, :, lo:hi] - c_max)  # exactly 1 for a row that sees nothing new
+            # exactly 1 for a row that sees nothing new, 0 for a row that has seen nothing yet
+            alpha = torch.exp(row_max[:, :, lo:hi] - c_sub)
             denom[:, :, lo:hi].mul_(alpha).add_(c_denom)
             numer[:, :, lo:hi].mul_(alpha).add_(c_numer)
             row_max[:, :, lo:hi].copy_(c_max)
     return numer, denom
 
 
-def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None) -> tuple[Tensor, Tensor, Tensor]:
+def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None,
+                softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Rows lo:hi against the first L keys of chunk kc (k/v [N, L, KVH, D]).
 
-    Returns the chunk's (weighted V [KVH, N, r, D], weight sum [KVH, N, r, 1], max [KVH, N, r, 1]),
-    weights taken relative to max(row_max, the chunk's max); row_max None means the row's first chunk.
+    Returns the chunk's (weighted V [KVH, N, r, D], weight sum [KVH, N, r, 1], max [KVH, N, r, 1], and
+    the max the weights are taken relative to [KVH, N, r, 1]): max(row_max, the chunk's max), where a row
+    that has seen no key yet (-inf, only with a sliding window) takes 0; row_max None means the first chunk.
     """
     num_kv_heads, n, _, dim = q.shape
     rows, length = hi - lo, k.shape[1]
@@ -138,15 +157,23 @@ def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None) -> tuple[Te
     else:  # per kv head, k.unbind(2)[h] is a strided view [N, L, D]: no copy of K per head
         for q_h, k_h, s_h in zip(q[:, :, lo:hi].unbind(0), k.unbind(2), scores.unbind(0)):
             torch.bmm(q_h, k_h.transpose(1, 2), out=s_h)  # one dot over D per element
-    if rs.num_tokens > 1:  # causal: row r sees keys up to its position
-        hidden = torch.arange(kc.start, kc.start + length)[None, None, :] > rs.row_pos[:, lo:hi, None]
+    if softcap > 0:  # c * tanh(s / c), elementwise: the same bits wherever the score sits
+        scores.div_(softcap).tanh_().mul_(softcap)
+    if rs.num_tokens > 1:  # causal: row r sees keys up to its position (and after pos - W with a window)
+        key_pos, row_pos = torch.arange(kc.start, kc.start + length)[None, None, :], rs.row_pos[:, lo:hi, None]
+        hidden = key_pos > row_pos
+        if rs.window:
+            hidden |= key_pos <= row_pos - rs.window
         scores.masked_fill_(hidden, float("-inf"))
-    elif kc.hidden is not None:  # a decode sees its whole context: only slots past its end are hidden
+    elif kc.hidden is not None:  # a decode sees its context (or window): slots past its end or before it hidden
         scores.masked_fill_(kc.hidden[:, :, :length], float("-inf"))  # also over the NaN of an unzeroed K slot
-    new_max = scores.amax(dim=-1, keepdim=True)  # exact, order free; finite in chunk 0 (key 0 is visible)
+    new_max = scores.amax(dim=-1, keepdim=True)  # exact, order free; finite in chunk 0 without a window
     if row_max is not None:
         new_max = torch.maximum(row_max, new_max)
-    probs = scores.sub_(new_max).exp_()  # hidden -> 0
+    sub = new_max
+    if rs.window:  # a row that has seen no key yet subtracts 0: exp(-inf - 0) = 0, never NaN
+        sub = new_max.masked_fill(new_max == float("-inf"), 0.0)
+    probs = scores.sub_(sub).exp_()  # hidden -> 0
     sums = probs.view(num_kv_heads, n, rows, tiles, TILE).sum(dim=-1)  # [KVH, N, r, tiles]
     if dim < MIN_COLS:  # keep P @ V off MKL's few-column path
         v = torch.nn.functional.pad(v, (0, MIN_COLS - dim))
@@ -158,7 +185,7 @@ def _fold_chunk(q, rs, lo, hi, k, v, kc: KeyChunk, ws, row_max=None) -> tuple[Te
         # [N * tiles, r, TILE] @ [N * tiles, TILE, cols]: every reduction is TILE long
         torch.bmm(p_h.view(n * tiles, rows, TILE), v_h.reshape(n * tiles, TILE, cols), out=o_h)
     numer = _halving_sum_(parts.view(num_kv_heads, n, tiles, rows, cols), 2)[..., :dim]
-    return numer, _halving_sum_(sums, 3)[..., None], new_max
+    return numer, _halving_sum_(sums, 3)[..., None], new_max, sub
 
 
 def _halving_sum_(x: Tensor, dim: int) -> Tensor:
@@ -185,6 +212,7 @@ class CpuBackend:
         self.native = cpu_native.available() and native is not False  # native=False: the torch fold (tests)
         self.workspace = Workspace()  # scratch reused across steps; one backend serves one runner thread
         self.plan: AttentionPlan | None = None  # the current step's, shared by its layers
+        self.plans: dict[int, AttentionPlan] = {}  # the current step's per sliding window (layers may alternate)
 
     def write_kv(self, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Store new K/V through slot_mapping."""
@@ -194,13 +222,20 @@ class CpuBackend:
             write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-    ) -> Tensor:
-        """Causal attention of the new tokens over their cached context."""
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, *,
+        sliding_window: int = 0, softcap: float = 0.0,
+    ) -> Tensor:  # fmt: skip
+        """Causal attention of the new tokens over their cached context (windowed, soft-capped if asked)."""
+        if sliding_window < 0 or softcap < 0:
+            raise ValueError(f"sliding_window and softcap must be >= 0 (0: none), got {sliding_window}, {softcap}")
         if self.native and q.dtype == k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
             return cpu_native.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                              meta.query_start_loc, meta.seq_lens, scale)
+                                              meta.query_start_loc, meta.seq_lens, scale, sliding_window, softcap)
         geometry = (k_cache.shape[1], k_cache.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[3])
-        if self.plan is None or not self.plan.fits(meta, *geometry):
-            self.plan = AttentionPlan.build(meta, *geometry)
-        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=self.plan)
+        plan = self.plans.get(sliding_window)
+        if plan is None or not plan.fits(meta, *geometry, sliding_window):
+            self.plans = {w: p for w, p in self.plans.items() if p.meta is meta}  # drop an earlier step's
+            plan = self.plans[sliding_window] = AttentionPlan.build(meta, *geometry, sliding_window)
+        self.plan = plan
+        return cpu_attention(q, k_cache, v_cache, meta, scale, self.workspace, plan=plan,
+                             sliding_window=sliding_window, softcap=softcap)

@@ -104,9 +104,11 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
-                    seq_lens: Tensor, scale: float) -> Tensor:
-    """q [T, H, D] float32 -> out [T, H, D]: each sequence's new tokens attend causally to its paged context."""
-    return torch.ops.pagoda_cpu.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+                    seq_lens: Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> Tensor:
+    """q [T, H, D] float32 -> out [T, H, D]: each new token attends causally to its paged context (its last
+    `sliding_window` keys if > 0), scores soft-capped by `softcap` if > 0 (the AttentionBackend contract)."""
+    return torch.ops.pagoda_cpu.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                                sliding_window, softcap)
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

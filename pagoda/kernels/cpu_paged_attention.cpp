@@ -1,15 +1,20 @@
 // Causal paged attention for x86 CPUs with AVX2 and FMA, float32 throughout, and the KV write before it.
 //
 // Batch invariance by construction: the output of (token, head) is one fixed sequence of operations
-// over that token's own context, keys 0..pos in order:
+// over that token's own context, keys lo..pos in order (lo = 0, or pos - W + 1 with a sliding window W):
 //   s[j] = dot(q, k[j]) * scale                       (8-lane FMA over head_dim, then a fixed tree over lanes)
+//   s[j] = c * tanh(s[j] / c)                         (soft-capping c only; scalar std::tanh per score)
 //   m = max_j s[j]                                    (exact, order free)
-//   p[j] = exp(s[j] - m), l = sum_j p[j]              (8 keys a vector in order; the last vector padded with 0)
-//   out = (sum_j p[j] v[j]) / l                       (FMA over j in order, 8 lanes of head_dim a vector)
+//   p[j] = exp(s[j] - m), l = sum_j p[j]              (8 keys a vector, vectors at absolute multiples of 8
+//                                                      from the one holding lo, in order; lanes outside
+//                                                      lo..pos are exact zeros)
+//   out = (sum_j p[j] v[j]) / l                       (FMA over j = lo..pos in order, 8 lanes of head_dim a vector)
 // Nothing depends on the other tokens of the step, on where the token sits in it, on how many threads
 // run, or on whether the token is decoded alone or recomputed inside a prefill chunk: it reads the same
-// keys at the same positions and does the same arithmetic. exp is this file's own polynomial (the same
-// code for every lane), not a library call that may take another path for a scalar tail.
+// keys at the same positions and does the same arithmetic (lo and the vectors' alignment follow from its
+// own position and window). exp is this file's own polynomial (the same code for every lane), not a
+// library call that may take another path for a scalar tail. Keys before the earliest window start of a
+// tile are never read.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -82,67 +87,77 @@ struct Scratch {
 // Each row (token, query head) of the tile gets exactly the arithmetic it would get alone (the file's
 // note): the tile only orders the loops so that a key or value row read once serves every row.
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, const Tile& tile,
-            int64_t group, float scale, const Shapes& s, Scratch& w, float* out) {
+            int64_t group, float scale, int64_t window, float softcap, const Shapes& s, Scratch& w, float* out) {
   const int64_t last = tile.pos0 + tile.n - 1, padded = (last + 8) / 8 * 8, vectors = s.dim / 8;
   const int64_t rows = tile.n * group;
-  w.keys.resize(padded);
-  w.values.resize(padded);
-  w.zeros.assign(s.dim, 0.0f);
-  for (int64_t b = 0, j = 0; j <= last; ++b) {
-    const float* kb = k_cache + static_cast<int64_t>(table[b]) * s.kv_block_stride + tile.kv_head * s.dim;
-    const float* vb = v_cache + static_cast<int64_t>(table[b]) * s.kv_block_stride + tile.kv_head * s.dim;
-    for (int64_t o = 0; o < s.block_size && j <= last; ++o, ++j) {
-      w.keys[j] = kb + o * s.kv_row_stride;
-      w.values[j] = vb + o * s.kv_row_stride;
-    }
-  }
-  for (int64_t j = last + 1; j < padded; ++j) w.keys[j] = w.values[j] = w.zeros.data();
-  w.scores.resize(rows * padded);
-  w.acc.assign(rows * s.dim, 0.0f);
   auto row_q = [&](int64_t r) { return q + ((tile.t0 + r / group) * s.heads + tile.kv_head * group + r % group) * s.dim; };
   auto row_pos = [&](int64_t r) { return tile.pos0 + r / group; };
-  const __m256 sv = _mm256_set1_ps(scale);
-  // s[j] = sum(q * k[j]) * scale, eight keys at a time
-  for (int64_t j = 0; j < padded; j += 8) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (j > row_pos(r)) continue;
-      const float* qh = row_q(r);
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(w.keys[j + i]));
-      for (int64_t v = 1; v < vectors; ++v) {
-        const __m256 qv = _mm256_loadu_ps(qh + 8 * v);
-        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(w.keys[j + i] + 8 * v), acc[i]);
-      }
-      _mm256_storeu_ps(w.scores.data() + r * padded + j, _mm256_mul_ps(sum_lanes8(acc), sv));
+  auto row_lo = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, row_pos(r) - window + 1) : int64_t{0}; };
+  // keys [first, last] are read (the tile's first row has the earliest window); scratch starts at the
+  // vector holding `first`: index j - base is absolute key j
+  const int64_t first = row_lo(0), base = first / 8 * 8, span = padded - base;
+  w.keys.resize(span);
+  w.values.resize(span);
+  w.zeros.assign(s.dim, 0.0f);
+  for (int64_t j = base; j < first; ++j) w.keys[j - base] = w.values[j - base] = w.zeros.data();
+  for (int64_t b = first / s.block_size, j = first; j <= last; ++b) {
+    const float* kb = k_cache + static_cast<int64_t>(table[b]) * s.kv_block_stride + tile.kv_head * s.dim;
+    const float* vb = v_cache + static_cast<int64_t>(table[b]) * s.kv_block_stride + tile.kv_head * s.dim;
+    for (int64_t o = j % s.block_size; o < s.block_size && j <= last; ++o, ++j) {
+      w.keys[j - base] = kb + o * s.kv_row_stride;
+      w.values[j - base] = vb + o * s.kv_row_stride;
     }
   }
-  // p[j] = exp(s[j] - max), l = sum p, over each row's own keys 0..pos (padded to 8 with exact zeros)
+  for (int64_t j = last + 1; j < padded; ++j) w.keys[j - base] = w.values[j - base] = w.zeros.data();
+  w.scores.resize(rows * span);
+  w.acc.assign(rows * s.dim, 0.0f);
+  const __m256 sv = _mm256_set1_ps(scale);
+  // s[j] = sum(q * k[j]) * scale, eight keys at a time, for the vectors that hold some of a row's keys
+  for (int64_t j = base; j < padded; j += 8) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j > row_pos(r) || j + 8 <= row_lo(r)) continue;
+      const float* qh = row_q(r);
+      const float* const* keys = w.keys.data() + (j - base);
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(keys[i]));
+      for (int64_t v = 1; v < vectors; ++v) {
+        const __m256 qv = _mm256_loadu_ps(qh + 8 * v);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i] + 8 * v), acc[i]);
+      }
+      _mm256_storeu_ps(w.scores.data() + r * span + (j - base), _mm256_mul_ps(sum_lanes8(acc), sv));
+    }
+  }
+  // p[j] = exp(s[j] - max), l = sum p, over each row's own keys lo..pos (its vectors padded with exact zeros)
   std::vector<float> sums(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    float* sc = w.scores.data() + r * padded;
-    const int64_t keys = row_pos(r) + 1, mine = (keys + 7) / 8 * 8;
+    float* sc = w.scores.data() + r * span;  // sc[j]: key base + j
+    // relative to base (a multiple of 8): keys [lo, keys) are the row's, vectors [start, mine) hold them
+    const int64_t lo = row_lo(r) - base, keys = row_pos(r) + 1 - base, start = lo / 8 * 8, mine = (keys + 7) / 8 * 8;
+    if (softcap > 0.0f)
+      for (int64_t j = lo; j < keys; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < keys; ++j) m = std::max(m, sc[j]);
-    for (int64_t j = keys; j < mine; ++j) sc[j] = -std::numeric_limits<float>::infinity();  // exp -> 0
+    for (int64_t j = lo; j < keys; ++j) m = std::max(m, sc[j]);
+    for (int64_t j = start; j < lo; ++j) sc[j] = -std::numeric_limits<float>::infinity();  // exp -> 0
+    for (int64_t j = keys; j < mine; ++j) sc[j] = -std::numeric_limits<float>::infinity();
     const __m256 mv = _mm256_set1_ps(m);
     __m256 lsum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < mine; j += 8) {
+    for (int64_t j = start; j < mine; j += 8) {
       const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
       _mm256_storeu_ps(sc + j, p);
       lsum = _mm256_add_ps(lsum, p);
     }
     sums[r] = hsum(lsum);
   }
-  // out = (sum_j p[j] v[j]) / l, keys in order; a row's partial sums wait in `acc` between chunks
-  for (int64_t c = 0; c <= last; c += kValueChunk) {
+  // out = (sum_j p[j] v[j]) / l, keys lo..pos in order; a row's partial sums wait in `acc` between chunks
+  for (int64_t c = first / kValueChunk * kValueChunk; c <= last; c += kValueChunk) {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t end = std::min(row_pos(r) + 1, c + kValueChunk);
-      if (end <= c) continue;
-      const float* sc = w.scores.data() + r * padded;
+      const int64_t begin = std::max(c, row_lo(r)), end = std::min(row_pos(r) + 1, c + kValueChunk);
+      if (end <= begin) continue;
+      const float* sc = w.scores.data() + r * span;
       float* ar = w.acc.data() + r * s.dim;
       __m256 acc[kMaxVectors];
       for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_loadu_ps(ar + 8 * v);
-      for (int64_t j = c; j < end; ++j) {
+      for (int64_t j = begin - base; j < end - base; ++j) {
         const float* vrow = w.values[j];
         const __m256 p = _mm256_set1_ps(sc[j]);
         for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * v), acc[v]);
@@ -160,7 +175,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [T, H, D] float32, contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
@@ -175,6 +190,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.size(3) == s.dim && s.dim % 8 == 0 && s.dim / 8 <= kMaxVectors,
               "head_dim must be a multiple of 8, at most 256, and the same in q and the cache");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "sliding_window and softcap must be >= 0 (0: none)");
   const int64_t num_seqs = seq_lens.numel(), tokens = q.size(0), group = s.heads / s.kv_heads;
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -194,7 +210,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const float* vp = v_cache.data_ptr<float>();
   const int32_t* tp = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // tiles taken alternately from both ends (a prefill's short contexts, then its long ones), so that the
   // contiguous ranges the threads take carry about the same work
   const int64_t count = static_cast<int64_t>(tiles.size());
@@ -202,7 +218,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const Tile& tile = tiles[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
-      attend(qp, kp, vp, tp + tile.seq * s.table_width, tile, group, sc, s, scratch, op);
+      attend(qp, kp, vp, tp + tile.seq * s.table_width, tile, group, sc, sliding_window, cap, s, scratch, op);
     }
   });
   return out;
@@ -237,5 +253,5 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()", &write_kv);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, float scale) -> Tensor", &paged_attention);
+        "Tensor seq_lens, float scale, int sliding_window=0, float softcap=0.) -> Tensor", &paged_attention);
 }

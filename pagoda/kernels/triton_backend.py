@@ -5,6 +5,8 @@ split size, then a reduce); any step with a longer chunk runs the prefill
 kernel over every sequence, a decode being a chunk of one token. K/V are
 written with one indexed copy: the runner writes them before attention, so
 both kernels read every position, new or cached, from the same paged layout.
+A sliding window and soft-capping are arguments of both kernels (compile-time
+switches: without them the kernels are the plain ones).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ class TritonBackend:
         write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def attention(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
-    ) -> Tensor:
-        """Causal attention of the new tokens over their cached context."""
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, *,
+        sliding_window: int = 0, softcap: float = 0.0,
+    ) -> Tensor:  # fmt: skip
+        """Causal attention of the new tokens over their cached context (windowed, soft-capped if asked)."""
+        if sliding_window < 0 or softcap < 0:
+            raise ValueError(f"sliding_window and softcap must be >= 0 (0: none), got {sliding_window}, {softcap}")
         if q.stride(-1) != 1:
             q = q.contiguous()
         if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -39,5 +44,5 @@ class TritonBackend:
         if meta.num_tokens == 0:
             return out
         if meta.max_query_len == 1:
-            return decode_attention(q, k_cache, v_cache, meta, scale, out)
-        return prefill_attention(q, k_cache, v_cache, meta, scale, out)
+            return decode_attention(q, k_cache, v_cache, meta, scale, out, sliding_window, softcap)
+        return prefill_attention(q, k_cache, v_cache, meta, scale, out, sliding_window, softcap)

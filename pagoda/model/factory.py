@@ -36,7 +36,7 @@ from pagoda.core.tokenizer import Tokenizer
 from pagoda.distributed.group import SOLO, TensorGroup
 from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec, group_size
 from pagoda.kernels import AttentionBackend
-from pagoda.model.architectures import Architectures, read_config
+from pagoda.model.architectures import Architectures, builtin_architectures, read_config
 from pagoda.model.config import ModelConfig
 from pagoda.model.llama import Transformer
 from pagoda.model.loader import context_length, load_shard
@@ -165,6 +165,7 @@ def build_engine(options: EngineOptions, *, progress: bool = True) -> tuple[Engi
     """Resolve the model, load its tokenizer and make an Engine over it; returns (engine, tokenizer, model_dir)."""
     from pagoda.model.hub import resolve_model
 
-    model_dir = resolve_model(options.model, progress=progress)
+    layouts = (options.architectures or builtin_architectures()).gguf_layouts  # a GGUF file's, by its architecture
+    model_dir = resolve_model(options.model, progress=progress, layouts=layouts)
     tokenizer = Tokenizer.from_dir(model_dir)
     return load_engine(model_dir, tokenizer, options), tokenizer, model_dir

@@ -1,88 +1,63 @@
-"""Import a llama-architecture GGUF file into a Hugging Face model directory.
+"""Import a GGUF file into a Hugging Face model directory.
 
 The loader has one real format, the Hugging Face directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json). A GGUF file is
 turned into one such directory once, so every model loads through one path.
 
-Three things differ between the two formats for the same weights:
+This module knows GGUF as a container; what depends on the architecture (the
+config keys, the tensor names, llama.cpp's Q/K row order) is a `GgufLayout`
+(`gguf_layout.py`), chosen by the file's `general.architecture`. What differs
+between the two formats for the same weights:
 - GGUF lists a shape fastest dimension first; torch wants [out, in].
-- llama.cpp's converter reorders the rows of attn_q / attn_k inside each head
-  for its "adjacent pairs" RoPE. HF Llama rotates halves, so the rows are put
-  back (see `unpermute_rows`); skipping this gives fluent-looking garbage.
-- Weights are quantized (Q4_1, Q8_0, ...); they are dequantized to float32. The Q4_1 tensors'
-  own blocks are also kept, rows in torch order, in `q4_1_blocks.safetensors`, so
+- The architecture's layout may reorder rows (llama: attn_q / attn_k back from
+  llama.cpp's adjacent-pairs RoPE order) or fix a weight up.
+- Weights are stored in one of `SUPPORTED_TYPES` (F16, Q8_0, Q4_K, ...); every tensor is
+  dequantized to float32 by the gguf library. The Q4_0 and Q4_1 tensors' own blocks are also
+  kept, rows in torch order, in `q4_0_blocks.safetensors` / `q4_1_blocks.safetensors`, so
   `--quantization int4` packs the file's 4-bit weights as they are instead of rounding them again.
+  A tensor of any other type is refused by name before anything is written.
 
 The output is written to a temporary sibling directory and renamed into place,
-so an interrupted import never leaves a directory that later loads.
+so an interrupted import never leaves a directory that later loads. The float32
+weights are written in shards of at most `SHARD_BYTES` (with an index when there
+are several), so the import holds one shard in memory, not the whole model.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from pagoda.model.gguf_layout import GgufLayout
 from pagoda.model.gguf_vocab import build_tokenizer_files
 
 # Bump when the written directory changes, so older cached imports are redone.
-IMPORT_FORMAT_VERSION = 2  # 2: q4_1_blocks.safetensors
+IMPORT_FORMAT_VERSION = 3  # 2: q4_1_blocks.safetensors; 3: layouts, every common type, q4_0 blocks, shards
 IMPORT_MARKER = "pagoda_import.json"
 Q4_1_BLOCKS_FILE = "q4_1_blocks.safetensors"  # HF name -> uint8 [out, in/32, 20] (float16 d, float16 m, 16 bytes of q)
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+Q4_0_BLOCKS_FILE = "q4_0_blocks.safetensors"  # HF name -> uint8 [out, in/32, 18] (float16 d, 16 bytes of q)
+BLOCK_FILES = {"Q4_1": Q4_1_BLOCKS_FILE, "Q4_0": Q4_0_BLOCKS_FILE}  # GGUF type -> where its blocks are kept
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # + the weight files the marker lists
+# The tensor types the importer dequantizes (all through gguf.quants.dequantize); any other is refused.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SHARD_BYTES = 2 << 30  # float32 bytes per model-*.safetensors shard
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF Llama name of a GGUF tensor (ValueError for a tensor we do not know)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent; this file is not supported")
+class ImportedTensor(NamedTuple):
+    """One GGUF tensor as the HF directory holds it."""
 
-
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's per-head Q/K row order (adjacent RoPE pairs) to HF's rotate-half order.
-
-    w: [n_head * head_dim, in] (or [n_head * head_dim] for a bias). Within a head,
-    llama.cpp row 2*j + s holds HF row s * head_dim/2 + j.
-    """
-    rows = w.shape[0]
-    head_dim = rows // n_head
-    if n_head * head_dim != rows or head_dim % 2:
-        raise ValueError(f"cannot split {rows} rows into {n_head} heads of even size")
-    tail = w.shape[1:]
-    # [n_head, head_dim/2, 2, *tail] -> [n_head, 2, head_dim/2, *tail]
-    return w.reshape(n_head, head_dim // 2, 2, *tail).swapaxes(1, 2).reshape(w.shape)
+    name: str  # HF name
+    weight: np.ndarray  # float32, torch layout
+    blocks: np.ndarray | None  # Q4_0/Q4_1 blocks [out, in/32, bytes] in torch row order, when kept
+    block_type: str | None  # "Q4_0" / "Q4_1" with blocks
 
 
 def read_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -96,111 +71,144 @@ def read_field(reader: Any, key: str, default: Any = None) -> Any:
     return value
 
 
-def read_llama_config(reader: Any) -> dict[str, Any]:
-    """config.json for LlamaForCausalLM from the GGUF metadata."""
-    arch = read_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"only GGUF files of architecture 'llama' can be imported, this one is {arch!r}")
-    if read_field(reader, "llama.rope.scaling.type") not in (None, "none"):
-        raise ValueError("GGUF key 'llama.rope.scaling.type' is set: RoPE scaling is not supported by the importer")
-
-    def need(key: str) -> Any:
-        value = read_field(reader, key)
-        if value is None:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
-        return value
-
-    hidden = int(need("llama.embedding_length"))
-    n_head = int(need("llama.attention.head_count"))
-    n_kv = int(read_field(reader, "llama.attention.head_count_kv", n_head))
-    head_dim = int(read_field(reader, "llama.attention.key_length", hidden // n_head))
-    tokens = need("tokenizer.ggml.tokens")
-    tensor_names = {t.name for t in reader.tensors}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(need("llama.feed_forward_length")),
-        "num_hidden_layers": int(need("llama.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _short_float(need("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _short_float(read_field(reader, "llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(need("llama.context_length")),
-        "vocab_size": int(read_field(reader, "llama.vocab_size", len(tokens))),
-        "bos_token_id": read_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": read_field(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": read_field(reader, "tokenizer.ggml.padding_token_id"),
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": False,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "float32",
-    }
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata key of a GGUFReader -> its value."""
+    return {key: read_field(reader, key) for key in reader.fields}
 
 
-def convert_tensor(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray]:
-    """(HF name, float32 array in torch layout) of one GGUF tensor."""
+def select_layout(meta: Mapping[str, Any], layouts: Mapping[str, GgufLayout]) -> GgufLayout:
+    """The layout for the file's `general.architecture` (ValueError names it and the supported ones)."""
+    arch = meta.get("general.architecture")
+    if arch not in layouts:
+        raise ValueError(f"GGUF 'general.architecture' = {arch!r} cannot be imported "
+                         f"(supported: {', '.join(sorted(layouts))})")
+    return layouts[arch]
+
+
+def check_tensor_types(tensors: Any) -> None:
+    """ValueError naming the first tensor whose type is not one of SUPPORTED_TYPES."""
+    for tensor in tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which pagoda does not load "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def convert_tensor(tensor: Any, layout: GgufLayout, config: Mapping[str, Any]) -> ImportedTensor:
+    """One GGUF tensor dequantized to float32 in torch layout, under its HF name (and its 4-bit blocks)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    name = hf_tensor_name(tensor.name)
+    name = layout.hf_name(tensor.name)
     w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     w = w.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))  # GGUF [in, out] -> torch [out, in]
-    if ".attn_q." in tensor.name:
-        w = unpermute_rows(w, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
-        w = unpermute_rows(w, config["num_key_value_heads"])
-    return name, np.ascontiguousarray(w)
+    w = layout.torch_rows(tensor.name, w, config)
+    fixed = w if layout.fix_tensor is None else layout.fix_tensor(name, w, config)
+    kind = tensor.tensor_type.name
+    blocks = None
+    if kind in BLOCK_FILES and w.ndim == 2 and fixed is w:  # a fixed-up weight is no longer what its blocks hold
+        out = int(tensor.shape[-1])  # GGUF lists [in, out]; a block holds 32 consecutive inputs of one row
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(out, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+        blocks = np.ascontiguousarray(layout.torch_rows(tensor.name, raw, config))  # whole rows move with their blocks
+    return ImportedTensor(name, np.ascontiguousarray(fixed, dtype=np.float32), blocks, kind if blocks is not None else None)
 
 
-def q4_1_blocks(tensor: Any, config: dict[str, Any]) -> tuple[str, np.ndarray] | None:
-    """(HF name, Q4_1 blocks [out, in/32, 20] uint8 in torch row order) of a Q4_1 tensor; None for other types."""
-    from gguf import GGMLQuantizationType
+class _ShardWriter:
+    """Writes float32 tensors into safetensors shards of about `shard_bytes`; one shard is model.safetensors."""
 
-    if tensor.tensor_type != GGMLQuantizationType.Q4_1:
-        return None
-    out = int(tensor.shape[-1])  # GGUF lists [in, out]; a block holds 32 consecutive inputs of one row
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out, -1, 20)
-    if ".attn_q." in tensor.name:  # whole rows move, so the blocks follow the weights' row order
-        blocks = unpermute_rows(blocks, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
-        blocks = unpermute_rows(blocks, config["num_key_value_heads"])
-    return hf_tensor_name(tensor.name), np.ascontiguousarray(blocks)
+    def __init__(self, directory: Path, shard_bytes: int) -> None:
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []  # the names in each written shard
+        self.names: set[str] = set()
+        self.total_bytes = 0
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name in self.names:
+            raise ValueError(f"two GGUF tensors map to {name!r}")
+        self.names.add(name)
+        if self.pending and self.pending_bytes + array.nbytes > self.shard_bytes:
+            self._flush()
+        self.pending[name] = array
+        self.pending_bytes += array.nbytes
+
+    def close(self) -> list[str]:
+        """Finish the shards; returns the weight files written (an index among them when several)."""
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.rename(self._shard_path(0), self.directory / "model.safetensors")
+            return ["model.safetensors"]
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, name in enumerate(names):
+            os.rename(self._shard_path(i), self.directory / name)
+        index = {"metadata": {"total_size": self.total_bytes},
+                 "weight_map": {t: names[i] for i, shard in enumerate(self.shards) for t in shard}}
+        _write_json(self.directory / "model.safetensors.index.json", index)
+        return [*names, "model.safetensors.index.json"]
+
+    def _flush(self) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(self.pending, str(self._shard_path(len(self.shards))), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def _shard_path(self, i: int) -> Path:
+        return self.directory / f".shard-{i}.safetensors"
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Path:
-    """Write the HF directory for `gguf_path` at `out_dir` (atomically) and return `out_dir`."""
+def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True,
+                layouts: Mapping[str, GgufLayout] | None = None) -> Path:
+    """Write the HF directory for `gguf_path` at `out_dir` (atomically) and return `out_dir`.
+
+    `layouts` maps `general.architecture` values to their GgufLayout (default: the built-in architecture
+    plugins' layouts, `builtin_architectures().gguf_layouts`).
+    """
     from gguf import GGUFReader
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
     reader = GGUFReader(gguf_path)
-    config = read_llama_config(reader)
+    meta = read_metadata(reader)
+    if layouts is None:
+        from pagoda.model.architectures import builtin_architectures
+
+        layouts = builtin_architectures().gguf_layouts
+    layout = select_layout(meta, layouts)
+    if (meta.get("split.count") or 1) > 1:
+        raise ValueError(f"{gguf_path.name} is part {meta.get('split.no', 0) + 1} of a GGUF split in "
+                         f"{meta['split.count']} files; merge it into one file first (llama-gguf-split --merge)")
+    check_tensor_types(reader.tensors)
+    config = layout.config(meta, {t.name: t for t in reader.tensors})
+    # Built before the weights, so a vocabulary pagoda cannot read is refused before the long part.
+    tokenizer_meta = {key: value for key, value in meta.items() if key.startswith("tokenizer.")}
+    tokenizer, tokenizer_config = build_tokenizer_files(tokenizer_meta, config["max_position_embeddings"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.importing-", dir=out_dir.parent))
     try:
-        # One step per tensor, plus writing the weights and building the tokenizer.
+        # One step per tensor, plus writing the weights and the tokenizer.
         bar = tqdm(
             total=len(reader.tensors) + 2, desc=f"Importing {gguf_path.name}", unit="step", file=sys.stderr, disable=not progress
         )
         with bar:
-            tensors: dict[str, np.ndarray] = {}
-            blocks: dict[str, np.ndarray] = {}
+            weights = _ShardWriter(tmp, SHARD_BYTES)
+            blocks: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in BLOCK_FILES}
             for tensor in reader.tensors:
-                name, w = convert_tensor(tensor, config)
-                tensors[name] = w
-                if (named := q4_1_blocks(tensor, config)) is not None:
-                    blocks[named[0]] = named[1]
+                if tensor.name not in layout.ignored:
+                    t = convert_tensor(tensor, layout, config)
+                    weights.add(t.name, t.weight)
+                    if t.block_type is not None:
+                        blocks[t.block_type][t.name] = t.blocks
                 bar.update()
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            if blocks:
-                save_file(blocks, str(tmp / Q4_1_BLOCKS_FILE), metadata={"format": "pt"})
-            del tensors, blocks
+            weight_files = weights.close()
+            for kind, named in blocks.items():
+                if named:
+                    save_file(named, str(tmp / BLOCK_FILES[kind]), metadata={"format": "pt"})
+            del weights, blocks
             bar.update()
-            meta = {key: read_field(reader, key) for key in reader.fields if key.startswith("tokenizer.")}
-            tokenizer, tokenizer_config = build_tokenizer_files(meta, config["max_position_embeddings"])
             tokenizer.save(str(tmp / "tokenizer.json"))
             bar.update()
         _write_json(tmp / "tokenizer_config.json", tokenizer_config)
@@ -208,7 +216,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pat
         _write_json(tmp / "generation_config.json", _generation_config(config))
         # Written last: its presence says the directory is complete and which importer made it.
         stat = gguf_path.stat()
-        marker = {"format_version": IMPORT_FORMAT_VERSION, "source": gguf_path.name, "source_size": stat.st_size}
+        marker = {"format_version": IMPORT_FORMAT_VERSION, "source": gguf_path.name, "source_size": stat.st_size,
+                  "architecture": meta.get("general.architecture"), "weights": weight_files}
         _write_json(tmp / IMPORT_MARKER, marker)
         # mkdtemp makes a private directory; the cache is ordinary user data.
         for f in tmp.iterdir():
@@ -229,7 +238,7 @@ def is_complete_import(path: Path) -> bool:
         return False
     if marker.get("format_version") != IMPORT_FORMAT_VERSION:
         return False
-    return all((path / f).is_file() for f in REQUIRED_FILES)
+    return all((path / f).is_file() for f in (*REQUIRED_FILES, *marker.get("weights", ())))
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
@@ -246,11 +255,6 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
         # Lost a race with a concurrent import of the same file: theirs is as good as ours.
         if not is_complete_import(out_dir):
             raise
-
-
-def _short_float(x: float) -> float:
-    """A float32 read from the file as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(x)))
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -227,7 +227,7 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.lm_head is None):
             continue  # derived from the config / the tied embedding
-        target, rows = _stacked_target(model.shard, name)
+        target, rows = _stacked_target(model.shard, name, params)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {model.config.architecture}")
         dest = params[target].data if rows is None else params[target].data[rows]
@@ -240,12 +240,18 @@ def load_weights(model: Transformer, weights: Iterable[tuple[str, torch.Tensor]]
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
 
 
-def _stacked_target(shard: ShardPlan, name: str) -> tuple[str, slice | None]:
-    """Map an HF tensor name to (our parameter, the rows it fills): q/k/v and gate/up are stacked."""
+def _stacked_target(shard: ShardPlan, name: str, params: dict[str, Any] | None = None) -> tuple[str, slice | None]:
+    """Map an HF tensor name to (our parameter, the rows it fills): q/k/v and gate/up are stacked.
+
+    gate and up are the halves of the stacked parameter in `params` where it is there: a dense MLP's part of
+    the intermediate size, or an expert's own (Qwen3-MoE's `mlp.experts.{e}`, moe_intermediate_size)."""
     parts = name.rsplit(".", 2)  # [prefix, proj, weight|bias]
     if len(parts) == 3:
         prefix, proj, kind = parts
         q, kv, inter = shard.q_size, shard.kv_size, shard.intermediate_size  # this rank's heads and part
+        gate_up = (params or {}).get(f"{prefix}.gate_up_proj.{kind}")
+        if proj in ("gate_proj", "up_proj") and gate_up is not None:
+            inter = gate_up.shape[0] // 2
         stacked = {
             "q_proj": ("qkv_proj", slice(0, q)),
             "k_proj": ("qkv_proj", slice(q, q + kv)),

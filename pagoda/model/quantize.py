@@ -16,12 +16,14 @@ torch's kernels want the activations, scales and zeros in one dtype: bfloat16 (f
 those kernels' scalar path, 10-60x slower; float16 is slower still). Activations are rounded to
 bfloat16 per row and the kernels reduce each row on its own, so a row's bits do not depend on the
 other rows at any row count (tests/model/test_llama.py). A GGUF Q4_1 block (w = d * q + m, per 32
-weights) is the int4 format with scale = d and zero = m + 8 d: `int4_from_q4_1` packs those blocks
-without a second rounding of q (the scales themselves are rounded to bfloat16).
+weights) is the int4 format with scale = d and zero = m + 8 d, and a Q4_0 block (w = d * (q - 8)) is
+scale = d and zero = 0: `int4_from_gguf_blocks` packs those blocks without a second rounding of q
+(the scales themselves are rounded to bfloat16).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ from pagoda.kernels import cpu_native
 
 GROUP_SIZE = 32  # int4 inputs per scale and zero; Q4_1's block size too
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles (weights 0-15 low, 16-31 high)
+Q4_0_BLOCK_BYTES = 18  # float16 d, 16 bytes of 32 nibbles
 ACTIVATION_DTYPE = torch.bfloat16
 
 
@@ -84,13 +87,31 @@ def quantize_int4(weight: Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
 
 def int4_from_q4_1(blocks: Tensor) -> Int4Weight:
     """GGUF Q4_1 blocks [N, K/32, 20] uint8 (rows in torch order) -> the int4 pack of the same q."""
+    assert blocks.shape[-1] == Q4_1_BLOCK_BYTES, blocks.shape
+    return _pack_int4(*int4_parts(blocks))
+
+
+def int4_from_gguf_blocks(parts: Sequence[Tensor]) -> Int4Weight:
+    """GGUF Q4_0 or Q4_1 blocks [N_i, K/32, 18 or 20] uint8, stacked by rows (each part its own type) -> one pack."""
+    qs, scales, zeros = zip(*(int4_parts(b) for b in parts))
+    return _pack_int4(torch.cat(qs), torch.cat(scales), torch.cat(zeros))
+
+
+def int4_parts(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(q [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) of GGUF Q4_0 or Q4_1 blocks [N, K/32, 18 or 20]."""
     n, groups, size = blocks.shape
-    assert size == Q4_1_BLOCK_BYTES, blocks.shape
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [N, K/32]
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-    qs = blocks[..., 4:].to(torch.int32)  # [N, K/32, 16]
+    if size == Q4_1_BLOCK_BYTES:  # w = d * q + m = (q - 8) * d + (m + 8 d)
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        zero = m + 8 * d
+    elif size == Q4_0_BLOCK_BYTES:  # w = d * (q - 8)
+        zero = torch.zeros_like(d)
+    else:
+        raise ValueError(f"GGUF 4-bit blocks of {size} bytes are neither Q4_0 ({Q4_0_BLOCK_BYTES}) nor Q4_1 "
+                         f"({Q4_1_BLOCK_BYTES})")
+    qs = blocks[..., size - 16:].to(torch.int32)  # [N, K/32, 16]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # [N, K/32, 32]: weights 0-15 then 16-31
-    return _pack_int4(q.reshape(n, groups * GROUP_SIZE), d, m + 8 * d)
+    return q.reshape(n, groups * GROUP_SIZE), d, zero
 
 
 def _pack_int4(q: Tensor, scale: Tensor, zero: Tensor) -> Int4Weight:

@@ -48,6 +48,9 @@ class ShardPlan:
     def of(cls, config: ModelConfig, rank: int, size: int) -> ShardPlan:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a group of {size}")
+        if config.num_experts and size > 1:
+            raise ModelConfigError(f"tensor_parallel_size {size}: a mixture of experts (num_experts = "
+                                   f"{config.num_experts}) is not split over ranks; run it with one")
         if size > config.num_key_value_heads:
             raise ModelConfigError(
                 f"tensor_parallel_size {size} is more than the model's {config.num_key_value_heads} key/value heads "

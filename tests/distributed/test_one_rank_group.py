@@ -23,7 +23,7 @@ def answer(model_dir, **options):
         engine.add_request("r", prompt, GREEDY)
         tokens = [t for out in engine.run() for t in out.new_token_ids]
         return tokens, engine.describe(), dict(getattr(engine.runner, "ranks", None).group.stats.calls
-                                               if engine.describe() else {})
+                                               if "tensor_parallel" in engine.describe() else {})
     finally:
         engine.close()
 

@@ -4,6 +4,9 @@
 NaN, then exactly the positions each scheduled sequence has by the end of the
 step are written through `write_kv` (as the runner does before attention), so
 a kernel that reads an unwritten slot, or another sequence's block, gets NaN.
+With `window=W` the positions before each item's earliest window start (its
+first new token's position - W + 1) stay NaN too: a sliding-window kernel must
+never read them.
 """
 
 from __future__ import annotations
@@ -58,21 +61,25 @@ class World:
         self.k = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
         self.v = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
 
-    def batch(self, items: list[tuple[int, int, int]], device: str = "cpu") -> Step:
-        """One step computing tokens [start, start + n) of each (seq, start, n); caches poisoned elsewhere."""
+    def batch(self, items: list[tuple[int, int, int]], device: str = "cpu", window: int = 0) -> Step:
+        """One step computing tokens [start, start + n) of each (seq, start, n); caches poisoned elsewhere
+        (and before each item's earliest window start, with window > 0)."""
         k_cache, v_cache = allocate_kv_cache(
             self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, device
         )
         k_cache.fill_(float("nan"))
         v_cache.fill_(float("nan"))
         ends = [s + n for _, s, n in items]
-        # the prefix each sequence has cached, plus this step's new tokens, written as the runner would
-        history = AttentionMetadata.build(ends, ends, [self.tables[i] for i, _, _ in items], self.block_size, device)
+        firsts = [max(0, s - window + 1) if window > 0 else 0 for _, s, _ in items]
+        # the prefix each sequence has cached (from its earliest window start), plus this step's new tokens,
+        # written as the runner would
+        history = AttentionMetadata.build([e - f for e, f in zip(ends, firsts)], ends,
+                                          [self.tables[i] for i, _, _ in items], self.block_size, device)
         write_kv(
             k_cache,
             v_cache,
-            torch.cat([self.k[i][:e] for (i, _, _), e in zip(items, ends)]).to(device),
-            torch.cat([self.v[i][:e] for (i, _, _), e in zip(items, ends)]).to(device),
+            torch.cat([self.k[i][f:e] for (i, _, _), f, e in zip(items, firsts, ends)]).to(device),
+            torch.cat([self.v[i][f:e] for (i, _, _), f, e in zip(items, firsts, ends)]).to(device),
             history.slot_mapping,
         )
         meta = AttentionMetadata.build(

@@ -19,8 +19,9 @@ pytestmark = [
 LONG = [1, 15, 16, 17, 63, 64, 65, SPLIT_SIZE, SPLIT_SIZE + 1, 2048, 8192]
 
 
-def run(step, backend):
-    out = backend.attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale)
+def run(step, backend, window=0, softcap=0.0):
+    out = backend.attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale,
+                            sliding_window=window, softcap=softcap)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     return out
@@ -69,4 +70,51 @@ def test_a_row_alone_equals_the_row_in_a_crowd():
     chunks = world.batch([(0, 4000, 1000), (1, 0, 1200), (2, 89, 1)], device="cuda")
     mixed = run(chunks, backend)
     alone = run(world.batch([(1, 0, 1200)], device="cuda"), backend)
+    assert torch.equal(mixed[chunks.rows_of(1)], alone)
+
+
+# ---------------------------------------------------------------- sliding windows and soft-capping
+# (caches NaN-poisoned before each sequence's earliest window start too: attention_world.py)
+
+MIXED = [(0, 7168, 1024), (1, 1001, 1999), (2, 0, 600), (3, 64, 1), (4, 16, 1)]
+
+
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (100, 0.0), (4096, 0.0), (0, 2.0), (512, 2.0), (20000, 0.0)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sliding_window_and_softcap_bf16(group, window, softcap):
+    lens = [8192, 3000, 600, 65, 17]
+    world = World(lens, num_heads=2 * group, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, seed=13)
+    backend = select_backend("cuda")
+    for items in ([(i, n - 1, 1) for i, n in enumerate(lens)], MIXED):  # split-K decode, then prefill
+        step = world.batch(items, device="cuda", window=window)
+        out = run(step, backend, window, softcap)
+        ref = reference_attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale,
+                                  sliding_window=window, softcap=softcap)
+        assert rel_err(out, ref) < 1e-2, items
+
+
+def test_sliding_window_and_softcap_float32_exact_to_rounding():
+    world = World([700, 33], num_heads=12, num_kv_heads=4, head_dim=64, seed=3)
+    backend = select_backend("cuda")
+    for window, softcap in ((3, 0.0), (300, 2.0), (1000, 0.0)):
+        for items in ([(0, 699, 1), (1, 32, 1)], [(0, 300, 400), (1, 0, 33)]):
+            step = world.batch(items, device="cuda", window=window)
+            ref = reference_attention(step.q, step.k_cache, step.v_cache, step.meta, step.scale,
+                                      sliding_window=window, softcap=softcap)
+            assert rel_err(run(step, backend, window, softcap), ref) < 1e-5, (window, softcap, items)
+
+
+def test_a_windowed_row_alone_equals_the_row_in_a_crowd():
+    lens = [5000, 1200, 90, 3]
+    world = World(lens, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=11)
+    backend = select_backend("cuda")
+    window, softcap = 700, 2.0
+    crowd = run(world.batch([(i, n - 1, 1) for i, n in enumerate(lens)], device="cuda", window=window), backend,
+                window, softcap)
+    for i, n in enumerate(lens):
+        alone = run(world.batch([(i, n - 1, 1)], device="cuda", window=window), backend, window, softcap)
+        assert torch.equal(alone[0], crowd[i])
+    chunks = world.batch([(0, 4000, 1000), (1, 0, 1200), (2, 89, 1)], device="cuda", window=window)
+    mixed = run(chunks, backend, window, softcap)
+    alone = run(world.batch([(1, 0, 1200)], device="cuda", window=window), backend, window, softcap)
     assert torch.equal(mixed[chunks.rows_of(1)], alone)

@@ -28,8 +28,12 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = dict(re.findall(r"^case (\S+) (.*)$", proc.stdout, re.M))
-    assert len(cases) == 4, proc.stdout
+    assert len(cases) == 9, proc.stdout
     # the hard paths ran: split-K decode with more than one split, and chunks after a cached prefix
     assert "splits=2" in cases["decode_gqa3_split"] and "splits=2" in cases["decode_mha_d128"]
     assert "max_query_len=47" in cases["mixed_gqa4_prefix"]
+    # and with sliding windows (a split wholly before one, W = 1, W = 3 in a prefill) and soft-capping
+    assert "splits=2 window=50" in cases["decode_gqa3_window50"]
+    assert "window=1 softcap=2.0" in cases["decode_window1_softcap"]
+    assert "max_query_len=47 splits=0 window=3" in cases["mixed_gqa4_window3_softcap"]
     assert all(float(re.search(r"rel_err=(\S+)", v).group(1)) < 1e-5 for v in cases.values())

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pagoda.model import gguf_import, hub
-from pagoda.model.gguf_import import (
-    IMPORT_FORMAT_VERSION,
-    IMPORT_MARKER,
-    REQUIRED_FILES,
-    hf_tensor_name,
-    import_gguf,
-    is_complete_import,
-    unpermute_rows,
-)
+from pagoda.model.gguf_import import IMPORT_FORMAT_VERSION, IMPORT_MARKER, REQUIRED_FILES, import_gguf, is_complete_import
+from pagoda.model.gguf_layout import LLAMA_GGUF, QWEN2_GGUF, unpermute_rows
 from pagoda.model.hub import SMOLLM2_135M_INSTRUCT, EmbeddedModel, find_embedded_gguf, resolve_model
 
 FRANCE_PROMPT_IDS = [
@@ -50,12 +44,15 @@ def test_unpermute_rows_inverts_llama_cpp_order():
 
 
 def test_hf_tensor_names():
-    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_tensor_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
-    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert hf_tensor_name("output.weight") == "lm_head.weight"
-    with pytest.raises(ValueError, match="rope_freqs"):
-        hf_tensor_name("rope_freqs.weight")
+    assert LLAMA_GGUF.hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert LLAMA_GGUF.hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert LLAMA_GGUF.hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert LLAMA_GGUF.hf_name("output.weight") == "lm_head.weight"
+    assert QWEN2_GGUF.hf_name("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
+    with pytest.raises(ValueError, match="ffn_gate_inp.*'llama' layout"):
+        LLAMA_GGUF.hf_name("blk.0.ffn_gate_inp.weight")  # a mixture-of-experts router
+    with pytest.raises(ValueError, match="attn_output.bias"):
+        QWEN2_GGUF.hf_name("blk.0.attn_output.bias")
 
 
 def test_imported_directory(default_model_dir: Path):
@@ -216,11 +213,11 @@ def test_paths(default_model_dir: Path, tmp_path: Path):
 def test_interrupted_import_leaves_nothing_that_loads(default_gguf_path: Path, tmp_path: Path, monkeypatch, capfd):
     done = []
 
-    def convert_then_interrupt(tensor, config):
+    def convert_then_interrupt(tensor, layout, config):
         if len(done) == 40:
             raise KeyboardInterrupt  # e.g. Ctrl-C part-way through
         done.append(tensor.name)
-        return real_convert(tensor, config)
+        return real_convert(tensor, layout, config)
 
     real_convert = gguf_import.convert_tensor
     monkeypatch.setattr(gguf_import, "convert_tensor", convert_then_interrupt)
@@ -254,10 +251,10 @@ def test_tokenizer_files_from_metadata_add_bos_when_asked():
     assert tok.encode("ab 1</s>").ids == [0, 4, 6, 5, 1]  # BOS added, "ab" merged, </s> matched whole
     assert tok.encode("ab", add_special_tokens=False).ids == [4]
     assert config["add_bos_token"] is True and config["bos_token"] == "<s>" and "chat_template" not in config
-    with pytest.raises(ValueError, match="tokenizer.ggml.model"):
-        build_tokenizer_files({**meta, "tokenizer.ggml.model": "llama"}, 64)
-    with pytest.raises(ValueError, match="'qwen2'"):
-        build_pre_tokenizer("qwen2")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model.*'bert'"):
+        build_tokenizer_files({**meta, "tokenizer.ggml.model": "bert"}, 64)
+    with pytest.raises(ValueError, match="'tekken'"):
+        build_pre_tokenizer("tekken")
 
 
 def test_move_into_place(tmp_path: Path):
@@ -274,3 +271,73 @@ def test_move_into_place(tmp_path: Path):
     gguf_import._move_into_place(_fake_import(tmp_path / "t3"), stale)
     assert is_complete_import(stale) and (stale / "config.json").read_text() == "t3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "s", "t2"]  # t2 is the caller's to delete
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny random Llama as an F32 GGUF file."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tests.model.gguf_files import byte_level_vocab, write_gguf
+
+    config = transformers.LlamaConfig(vocab_size=len(byte_level_vocab()["tokens"]), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_gguf") / "tiny.F32.gguf"
+    write_gguf(path, transformers.LlamaForCausalLM(config).state_dict(), config, "F32")
+    return path
+
+
+def test_resolve_a_gguf_file_or_a_folder_holding_one(tiny_gguf: Path, tmp_path: Path, monkeypatch):
+    import shutil
+
+    directory = resolve_model(str(tiny_gguf), home=tmp_path / "home", progress=False)
+    assert directory.parent == tmp_path / "home" / "models" and directory.name.startswith("tiny.F32-")
+    assert is_complete_import(directory) and json.loads((directory / "config.json").read_text())["hidden_size"] == 64
+    monkeypatch.setattr(gguf_import, "import_gguf", lambda *a, **k: pytest.fail("imported again"))
+    assert resolve_model(str(tiny_gguf), home=tmp_path / "home") == directory  # cached: no second import
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy2(tiny_gguf, folder / tiny_gguf.name)  # same name, size and mtime: the same cache entry
+    assert resolve_model(str(folder), home=tmp_path / "home") == directory
+    monkeypatch.undo()
+    (folder / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"2 GGUF files \(other.gguf, tiny.F32.gguf\)"):
+        resolve_model(str(folder), home=tmp_path / "home")
+    # a changed file (another mtime) is imported afresh, into its own directory
+    changed = tmp_path / tiny_gguf.name
+    shutil.copy(tiny_gguf, changed)
+    os.utime(changed, ns=(1_000_000_000, 1_000_000_000))
+    again = resolve_model(str(changed), home=tmp_path / "home", progress=False)
+    assert again != directory and is_complete_import(again)
+    monkeypatch.setenv("PAGODA_HOME", str(tmp_path / "env_home"))
+    assert resolve_model(str(tiny_gguf), progress=False).parent == tmp_path / "env_home" / "models"
+
+
+def test_resolve_refuses_what_is_not_a_model(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not 'default', a .gguf file or an existing directory"):
+        resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(FileNotFoundError, match="no config.json \\(and no .gguf file\\)"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_sharded_import(tiny_gguf: Path, tmp_path: Path, monkeypatch):
+    """Weights above SHARD_BYTES are split into shards with an index, which the loader reads."""
+    from safetensors import safe_open
+
+    from pagoda.model.loader import checkpoint_files
+
+    monkeypatch.setattr(gguf_import, "SHARD_BYTES", 64 * 1024)
+    out = import_gguf(tiny_gguf, tmp_path / "m", progress=False)
+    files = checkpoint_files(out)
+    assert len(files) > 2 and not (out / "model.safetensors").exists() and is_complete_import(out)
+    assert files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for f in files:
+        with safe_open(str(f), framework="np") as reader:
+            assert all(index["weight_map"][name] == f.name for name in reader.keys())
+    (out / files[1].name).unlink()
+    assert not is_complete_import(out)  # a missing shard: imported again

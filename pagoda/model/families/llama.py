@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagoda.model.config import ModelConfig, ModelConfigError, common_fields
+from pagoda.model.gguf_layout import LLAMA_GGUF
 from pagoda.model.llama import build_model
 from pagoda.plugins import hookimpl
 from pagoda.plugins.architecture import Architecture
@@ -24,7 +25,7 @@ def parse_config(raw: Mapping[str, Any], generation: Mapping[str, Any]) -> Model
 
 
 LLAMA = Architecture(name="llama", hf_architectures=("LlamaForCausalLM",), model_types=("llama",),
-                     parse_config=parse_config, build=build_model,
+                     parse_config=parse_config, build=build_model, gguf=(LLAMA_GGUF,),
                      description="Llama 1/2/3.x, SmolLM: pre-norm, SwiGLU, GQA; llama3/linear RoPE scaling")
 
 

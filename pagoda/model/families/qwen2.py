@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagoda.model.config import ModelConfig, common_fields
+from pagoda.model.gguf_layout import QWEN2_GGUF
 from pagoda.model.llama import build_model
 from pagoda.plugins import hookimpl
 from pagoda.plugins.architecture import Architecture
@@ -22,7 +23,7 @@ def parse_config(raw: Mapping[str, Any], generation: Mapping[str, Any]) -> Model
 
 
 QWEN2 = Architecture(name="qwen2", hf_architectures=("Qwen2ForCausalLM",), model_types=("qwen2",),
-                     parse_config=parse_config, build=build_model,
+                     parse_config=parse_config, build=build_model, gguf=(QWEN2_GGUF,),
                      description="Qwen2/2.5: the Llama decoder with q/k/v biases")
 
 

@@ -65,5 +65,5 @@ def test_longrope_is_refused_naming_the_field(tmp_path):
 
 
 def test_phi3_is_batch_invariant(tmp_path):
-    _, d = save(tmp_path, sliding_window=6, std=0.1)
+    _, d = save(tmp_path, sliding_window=8, std=0.1)  # shorter than the prompts (13, 22): the window cuts
     check_batch_invariance(d)
