@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from pagoda.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+
 ConfigFn = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
 FixTensorFn = Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
 
@@ -131,8 +133,10 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: per-frequency RoPE divisors, wri
 
 
 def decoder_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], *, arch: str, architecture: str,
-                   model_type: str) -> dict[str, Any]:
-    """config.json of a Llama-style decoder from `<arch>.*` metadata (the keys every such converter writes)."""
+                   model_type: str, sliding_window: bool = False) -> dict[str, Any]:
+    """config.json of a Llama-style decoder from `<arch>.*` metadata (the keys every such converter writes).
+
+    `<arch>.attention.sliding_window` is refused unless `sliding_window` says the caller reads it itself."""
 
     def need(key: str) -> Any:
         value = meta.get(f"{arch}.{key}")
@@ -140,7 +144,7 @@ def decoder_config(meta: Mapping[str, Any], tensors: Mapping[str, Any], *, arch:
             raise ValueError(f"GGUF metadata key '{arch}.{key}' is missing")
         return value
 
-    for key in ("expert_count", "attention.sliding_window"):
+    for key in ("expert_count", *(() if sliding_window else ("attention.sliding_window",))):
         if meta.get(f"{arch}.{key}"):
             raise ValueError(f"GGUF metadata key '{arch}.{key}' = {meta[f'{arch}.{key}']}: "
                              f"not supported by the {arch!r} layout")
@@ -208,6 +212,104 @@ def qwen2_config(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[st
     return config
 
 
+def qwen3_config(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3ForCausalLM: per-head q/k norms, no biases (a bias tensor has no name in the layout, so it is
+    refused), head_dim from `qwen3.attention.key_length`, no sliding window."""
+    config = decoder_config(meta, tensors, arch="qwen3", architecture="Qwen3ForCausalLM", model_type="qwen3")
+    for name in ("blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"):
+        if name not in tensors:
+            raise ValueError(f"GGUF tensor {name!r} is missing: a qwen3 file has per-head q/k norms")
+    config["attention_bias"] = False
+    config["use_sliding_window"] = False
+    return config
+
+
+GEMMA3_LOCAL_THETA = 10_000.0  # llama.cpp's fixed RoPE base of Gemma 3's sliding layers
+GEMMA3_PATTERN = 6  # llama.cpp's default: every 6th layer is a full one
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B's scores by (hidden / heads)^-1/2, the others' by head_dim^-1/2
+
+
+def gemma3_config(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma3ForCausalLM (`gemma3_text`), as llama.cpp runs a `gemma3` file.
+
+    - layer kinds: none slide without `gemma3.attention.sliding_window`; else `sliding_window_pattern` (an
+      integer n: every nth layer full, 0 all sliding, as llama.cpp's set_swa_pattern; or one bool per layer,
+      true = sliding), by default 6;
+    - RoPE: `gemma3.rope.freq_base` and `rope.scaling.*` (linear) for the full layers; the sliding layers'
+      base is `gemma3.rope.freq_base_swa` where the file has it, else llama.cpp's fixed 10000, unscaled;
+    - `query_pre_attn_scalar` is not in the file: head_dim, except for the 27B (62 layers), hidden / heads
+      (168), as llama.cpp decides it;
+    - tanh GELU; `gemma3.final_logit_softcapping` where the file has it.
+    """
+    config = decoder_config(meta, tensors, arch="gemma3", architecture="Gemma3ForCausalLM", model_type="gemma3_text",
+                            sliding_window=True)
+    layers = config["num_hidden_layers"]
+    window = int(meta.get("gemma3.attention.sliding_window") or 0)
+    types = _gemma3_layer_types(meta, layers) if window else [FULL_ATTENTION] * layers
+    scaling = config.pop("rope_scaling")
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    if scaling is not None:
+        full.update(scaling)
+    local_theta = meta.get("gemma3.rope.freq_base_swa") or GEMMA3_LOCAL_THETA
+    local = {"rope_type": "default", "rope_theta": short_float(local_theta)}
+    if layers == GEMMA3_27B_LAYERS:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    softcap = meta.get("gemma3.final_logit_softcapping")
+    del config["hidden_act"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=types,
+        sliding_window=window or None,
+        rope_parameters={FULL_ATTENTION: full, SLIDING_ATTENTION: local},
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=short_float(softcap) if softcap else None,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+    )
+    return config
+
+
+def _gemma3_layer_types(meta: Mapping[str, Any], layers: int) -> list[str]:
+    key = "gemma3.attention.sliding_window_pattern"
+    pattern = meta.get(key, GEMMA3_PATTERN)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers or not all(isinstance(p, (bool, np.bool_)) for p in pattern):
+            raise ValueError(f"GGUF metadata key {key!r} = {pattern!r}: must be one bool per layer ({layers})")
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, (int, np.integer)) and not isinstance(pattern, bool) and pattern >= 0:
+        n = int(pattern)  # llama.cpp's set_swa_pattern: layer i slides when i % n < n - 1
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    else:
+        raise ValueError(f"GGUF metadata key {key!r} = {pattern!r}: must be a non-negative integer "
+                         "or one bool per layer")
+    return [SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding]
+
+
+def gemma3_fix_tensor(name: str, w: np.ndarray, config: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp's converter stores every Gemma 3 RMSNorm weight as 1 + w (the HF checkpoint's w): take the 1 off."""
+    return w - np.float32(1) if name.endswith("norm.weight") else w
+
+
+PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # longrope (Phi-3 *-128k)
+
+
+def phi3_config(meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Phi3ForCausalLM: `phi3.attention.sliding_window` (0: none) over every layer; longrope refused."""
+    for name in PHI3_ROPE_FACTORS:
+        if name in tensors:
+            raise ValueError(f"GGUF tensor {name!r}: Phi-3's long-context RoPE scaling (longrope) is not supported")
+    attn_factor = meta.get("phi3.rope.scaling.attn_factor")
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        raise ValueError(f"GGUF metadata key 'phi3.rope.scaling.attn_factor' = {attn_factor}: scaled RoPE "
+                         "(longrope, yarn) is not supported")
+    config = decoder_config(meta, tensors, arch="phi3", architecture="Phi3ForCausalLM", model_type="phi3",
+                            sliding_window=True)
+    config["sliding_window"] = int(meta.get("phi3.attention.sliding_window") or 0) or None
+    return config
+
+
 def llama3_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
     """The `llama3` rope_scaling that gives llama.cpp's per-frequency divisors `factors` [head_dim/2].
 
@@ -263,4 +365,46 @@ QWEN2_GGUF = GgufLayout(
     layer_names={k: v for k, v in LLAMA_LAYER_NAMES.items() if k != "attn_output.bias"},
     global_names=LLAMA_GLOBAL_NAMES,
     permute_qk=False,
+)
+
+QWEN3_GGUF = GgufLayout(
+    architectures=("qwen3",),  # Qwen3 dense (qwen3moe is another architecture, not imported)
+    config=qwen3_config,
+    layer_names={**{k: v for k, v in LLAMA_LAYER_NAMES.items() if not k.endswith(".bias")},
+                 "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+    global_names=LLAMA_GLOBAL_NAMES,
+    permute_qk=False,  # NeoX RoPE in llama.cpp: rows as HF has them
+)
+GEMMA3_GGUF = GgufLayout(
+    architectures=("gemma3",),  # Gemma 3 text (the vision tower, if any, is a separate mmproj file)
+    config=gemma3_config,
+    layer_names={
+        "attn_norm.weight": "input_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        **{k: v for k, v in LLAMA_LAYER_NAMES.items() if not k.endswith(".bias") and "norm" not in k},
+    },
+    global_names=LLAMA_GLOBAL_NAMES,
+    permute_qk=False,
+    fix_tensor=gemma3_fix_tensor,
+)
+PHI3_GGUF = GgufLayout(
+    architectures=("phi3",),  # Phi-3 / Phi-3.5 mini and medium (4k windows; longrope refused), Phi-4
+    config=phi3_config,
+    layer_names={
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",  # q, k, v rows stacked, as HF's checkpoint
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",  # gate then up rows (2 x feed_forward_length), as HF's
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
+    global_names=LLAMA_GLOBAL_NAMES,
+    permute_qk=False,  # NeoX RoPE in llama.cpp
 )

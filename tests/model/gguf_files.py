@@ -1,11 +1,13 @@
 """Small GGUF files written the way llama.cpp's converter writes them: the importer's tests' oracle.
 
 Independent of pagoda's importer: names come from the gguf library's own HF -> GGUF map
-(`gguf.get_tensor_name_map`), Q/K rows are permuted with convert_hf_to_gguf.py's `permute`, and every
+(`gguf.get_tensor_name_map`), Q/K rows are permuted with convert_hf_to_gguf.py's `permute` (the llama
+architecture only), Gemma 3's norm weights are stored plus 1 (its converter's `norm_shift`), Phi-3's fused
+`qkv_proj` / `gate_up_proj` are stored fused (`attn_qkv`, `ffn_up`) as its converter stores them, and every
 2-D weight is stored in the asked type with the library's quantizer (`gguf.quants.quantize`), or, for the
 types it can only read (the K-quants), as random blocks of that type with sane float16 scales. What a
-file holds is returned as the library's dequantization in HF names and row order: the reference an
-import must equal exactly.
+file holds is returned as the library's dequantization in HF names and row order (norms back minus 1 for
+Gemma 3): the reference an import must equal exactly.
 """
 
 from __future__ import annotations
@@ -84,13 +86,16 @@ def byte_level_vocab() -> dict[str, Any]:
 
 def write_gguf(path: Path, state: Mapping[str, Any], config: Any, qtype: str, *, arch: str = "llama",
                vocab: Mapping[str, Any] | None = None, seed: int = 0, raw_type: Mapping[str, str] | None = None,
-               extra: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Write `state` (HF names -> tensors) of a Llama-style `config` (transformers') as a GGUF of `arch`.
+               extra: Mapping[str, np.ndarray] | None = None,
+               metadata: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Write `state` (HF names -> tensors) of a Llama-style `config` (transformers') as a GGUF of `arch`
+    (llama, qwen2, qwen3, gemma3, phi3: the keys and tensor changes each one's converter makes).
 
     2-D weights are stored as `qtype` (`raw_type` overrides it per GGUF name: any GGMLQuantizationType,
     written as random bytes of the right size), 1-D ones as F32, as llama.cpp does; `extra` adds GGUF
-    tensors as they are (F32). Returns the reference: HF name -> the library's float32 dequantization of
-    what was written, in HF row order.
+    tensors as they are (F32); `metadata` adds keys (`{arch}` is replaced by `arch`; an int is written as
+    uint32, a float as float32, a list as an array). Returns the reference: HF name -> the library's float32
+    dequantization of what was written, in HF row order.
     """
     import gguf
 
@@ -103,9 +108,32 @@ def write_gguf(path: Path, state: Mapping[str, Any], config: Any, qtype: str, *,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: the full layers' (the sliding layers' base is not written)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        if getattr(config, "final_logit_softcapping", None):
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "phi3":
+        writer.add_sliding_window(config.sliding_window or 0)  # 0: no window (Phi-4)
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    for key, value in (metadata or {}).items():
+        key = key.format(arch=arch)
+        if isinstance(value, (list, tuple)):
+            writer.add_array(key, list(value))
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     _add_vocab(writer, vocab or byte_level_vocab())
 
     reference: dict[str, np.ndarray] = {}
@@ -128,9 +156,14 @@ def write_gguf(path: Path, state: Mapping[str, Any], config: Any, qtype: str, *,
             data = rng.integers(0, 256, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
+        shift = arch == "gemma3" and hf_name.endswith("norm.weight")  # Gemma3Model.norm_shift: stored as 1 + w
+        if shift:
+            w = w + np.float32(1)
         data = store(w, kind, rng)
         writer.add_tensor(name, data, raw_dtype=None if kind in ("F32", "F16") else gguf.GGMLQuantizationType[kind])
         back = dequantized(data, kind, w.shape)
+        if shift:
+            back = back - np.float32(1)
         reference[hf_name] = llama_cpp_unpermute(back, permute) if permute else back
     for name, w in (extra or {}).items():
         writer.add_tensor(name, np.asarray(w, dtype=np.float32))

@@ -140,7 +140,8 @@ def test_refusals(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    with pytest.raises(ValueError, match=r"'general.architecture' = 'mamba' cannot be imported \(supported: llama, qwen2\)"):
+    with pytest.raises(ValueError, match=r"'general.architecture' = 'mamba' cannot be imported "
+                                         r"\(supported: gemma3, llama, phi3, qwen2, qwen3\)"):
         import_gguf(tmp_path / "mamba.gguf", tmp_path / "mamba", progress=False)
 
     write_gguf(tmp_path / "llama.gguf", model.state_dict(), model.config, "F32")

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from pagoda.distributed.group import TensorGroup
 from pagoda.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, ModelConfigError, common_fields
+from pagoda.model.gguf_layout import GEMMA3_GGUF
 from pagoda.model.llama import MLP, Attention, RMSNorm, StepContext, Transformer, build_model
 from pagoda.model.matmul import MatmulKernel
 from pagoda.model.shard import ShardPlan
@@ -142,7 +143,7 @@ def build(config: ModelConfig, **options: Any) -> Transformer:
 
 
 GEMMA3 = Architecture(name="gemma3", hf_architectures=("Gemma3ForCausalLM",), model_types=("gemma3_text",),
-                      parse_config=parse_config, build=build,
+                      parse_config=parse_config, build=build, gguf=(GEMMA3_GGUF,),
                       description="Gemma 3 text: (1+w) norms, 4 norms a layer, GeGLU, interleaved sliding windows")
 
 

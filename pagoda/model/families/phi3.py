@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagoda.model.config import ModelConfig, common_fields
+from pagoda.model.gguf_layout import PHI3_GGUF
 from pagoda.model.llama import build_model
 from pagoda.plugins import hookimpl
 from pagoda.plugins.architecture import Architecture
@@ -36,6 +37,7 @@ def checkpoint_names(name: str, config: ModelConfig) -> list[tuple[str, tuple[in
 
 PHI3 = Architecture(name="phi3", hf_architectures=("Phi3ForCausalLM",), model_types=("phi3",),
                     parse_config=parse_config, build=build_model, checkpoint_names=checkpoint_names,
+                    gguf=(PHI3_GGUF,),
                     description="Phi-3: the Llama decoder with fused qkv and gate_up checkpoint tensors")
 
 

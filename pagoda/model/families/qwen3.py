@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagoda.model.config import ModelConfig, common_fields
+from pagoda.model.gguf_layout import QWEN3_GGUF
 from pagoda.model.llama import build_model
 from pagoda.plugins import hookimpl
 from pagoda.plugins.architecture import Architecture
@@ -23,7 +24,7 @@ def parse_config(raw: Mapping[str, Any], generation: Mapping[str, Any]) -> Model
 
 
 QWEN3 = Architecture(name="qwen3", hf_architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
-                     parse_config=parse_config, build=build_model,
+                     parse_config=parse_config, build=build_model, gguf=(QWEN3_GGUF,),
                      description="Qwen3: the Llama decoder with per-head q/k RMSNorm")
 
 
