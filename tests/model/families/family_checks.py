@@ -45,9 +45,10 @@ def check_matches_transformers(hf: Any, model_dir: Path, *, num_tokens: int = 40
     torch.testing.assert_close(ours, theirs, rtol=atol, atol=atol)
 
     prompt = ids[:12]
+    expected: list[int] = []  # transformers' argmax, step by step (generate() would suppress an early EOS)
     with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                               min_new_tokens=new_tokens)[0, len(prompt):].tolist()
+        for _ in range(new_tokens):
+            expected.append(int(hf(torch.tensor([prompt + expected])).logits[0, -1].argmax()))
     engine = make_engine(model, EngineConfig(num_blocks=64, block_size=4, max_running=4, max_batched_tokens=64,
                                              max_model_len=256))
     engine.add_request("r", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
