@@ -102,7 +102,7 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
     """What the HTTP server is told, for the model in `model_dir` (its name and generation defaults)."""
     environ = os.environ if environ is None else environ
-    names = args.served_model_name or [args.model if args.model == "default" else Path(model_dir).name]
+    names = args.served_model_name or [served_name(args.model)]
     limits = RequestLimits(max_stop=args.max_stop_strings, max_stop_length=args.max_stop_length,
                            max_logprobs=args.max_logprobs, max_tokens=args.max_output_tokens)
     return ServeSettings(
@@ -115,6 +115,14 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
         max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
         shutdown_timeout=args.shutdown_timeout, allowed_origins=tuple(args.allowed_origins), request_limits=limits,
         generation_defaults=generation_defaults(model_dir) if args.generation_config == "auto" else {})
+
+
+def served_name(model: str) -> str:
+    """The name a model is served as by default: "default", a GGUF file's stem, else the directory's name."""
+    if model == "default":
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,6 +121,8 @@ def test_the_generation_defaults_come_from_the_model_unless_turned_off(tmp_path)
     assert build(["--generation-config", "none"], tmp_path).settings.generation_defaults == {}
     assert build([], tmp_path).settings.served_model_name == "default"
     assert build(["--model", str(tmp_path)], tmp_path).settings.served_model_name == tmp_path.name
+    # a GGUF file is served under its own name, not its import's cache directory's
+    assert build(["--model", str(tmp_path / "Qwen3-0.6B-Q8_0.gguf")], tmp_path).settings.served_model_name == "Qwen3-0.6B-Q8_0"
 
 
 @pytest.mark.slow
