@@ -23,6 +23,10 @@ class ServeSettings:
     max_body_bytes: int = 8 * 1024 * 1024  # a bigger request body is refused with 413
     max_header_bytes: int = 32 * 1024  # request headers (names + values) beyond this are refused with 431
     shutdown_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
+    # Seconds a request may take to arrive whole (headers and body), from its first byte or the connection's
+    # opening; then 408 and the connection closes (docs/reliability.md, "Slow clients").
+    request_read_timeout: float = 30.0
+    max_connections: int | None = None  # connections served at once; a request on one more gets 503; None = no cap
     # The model's sampling defaults (generation_config.json; --generation-config none: {}), for the sampling
     # fields a request leaves null (pagoda.api.generation.with_generation_defaults).
     generation_defaults: dict[str, float | int] = field(default_factory=dict)
@@ -57,5 +61,10 @@ class ServeSettings:
             raise ValueError("served_model_aliases must be non-empty strings")
         if not all(isinstance(o, str) and o for o in self.allowed_origins):
             raise ValueError("allowed_origins must be non-empty strings (an origin such as https://example.com, or *)")
+        if not self.request_read_timeout > 0:
+            raise ValueError(f"request_read_timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if self.max_connections is not None and (not isinstance(self.max_connections, int)
+                                                 or isinstance(self.max_connections, bool) or self.max_connections < 1):
+            raise ValueError(f"max_connections must be a positive number or None, got {self.max_connections!r}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

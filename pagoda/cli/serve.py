@@ -63,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a bigger request body is refused with 413")
     p.add_argument("--max-header-bytes", type=int, default=ServeSettings.max_header_bytes,
                    help="request headers beyond this many bytes are refused with 431")
+    p.add_argument("--request-read-timeout", type=float, default=ServeSettings.request_read_timeout,
+                   metavar="SECONDS", help="a request that has not arrived whole (headers and body) this long after "
+                                           "its first byte is answered 408 and its connection closed")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="connections served at once; a request on one more is answered 503 (default: no cap)")
     p.add_argument("--generation-config", default="auto", choices=("auto", "none"),
                    help="auto: a request that leaves temperature/top_p/top_k null gets the model's defaults from its "
                         "generation_config.json; none: pagoda's own defaults")
@@ -113,6 +118,7 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
         tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
         send_stall_timeout=args.send_stall_timeout, send_buffer_size=args.send_buffer_size,
         max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+        request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout, allowed_origins=tuple(args.allowed_origins), request_limits=limits,
         generation_defaults=generation_defaults(model_dir) if args.generation_config == "auto" else {})
 

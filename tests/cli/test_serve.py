@@ -57,6 +57,8 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--max-waiting": (["--max-waiting", "9"], lambda b: b.config.max_waiting == 9),
     "--max-body-bytes": (["--max-body-bytes", "1000"], lambda b: b.settings.max_body_bytes == 1000),
     "--max-header-bytes": (["--max-header-bytes", "2000"], lambda b: b.settings.max_header_bytes == 2000),
+    "--request-read-timeout": (["--request-read-timeout", "4.5"], lambda b: b.settings.request_read_timeout == 4.5),
+    "--max-connections": (["--max-connections", "20"], lambda b: b.settings.max_connections == 20),
     "--generation-config": (["--generation-config", "none"], lambda b: b.settings.generation_defaults == {}),
     "--shutdown-timeout": (["--shutdown-timeout", "7"], lambda b: b.settings.shutdown_timeout == 7),
     "--served-model-name": (["--served-model-name", "a", "b"],
@@ -106,7 +108,8 @@ def test_the_defaults_are_the_engine_configs_and_the_settings(tmp_path):
                  "speculative"):
         assert getattr(built.config, name) == getattr(engine, name), name
     for name in ("host", "port", "log_level", "disconnect_policy", "tool_parser", "send_stall_timeout",
-                 "max_body_bytes", "max_header_bytes", "shutdown_timeout", "request_limits", "disabled_plugins"):
+                 "max_body_bytes", "max_header_bytes", "shutdown_timeout", "request_limits", "disabled_plugins",
+                 "request_read_timeout", "max_connections"):
         assert getattr(built.settings, name) == getattr(settings, name), name
 
 
