@@ -49,11 +49,14 @@ class Grammars:
     """Compiles constraints on a worker pool for one model's vocabulary; an LRU of compiled grammars."""
 
     def __init__(self, vocab: Callable[[], TokenVocab], vocab_size: int, stop_token_ids: Sequence[int], *,
-                 max_workers: int = 2, cache_size: int = 256) -> None:
+                 max_workers: int = 2, cache_size: int = 256, any_whitespace: bool = False) -> None:
         self._vocab = vocab  # called once, on a worker: a 49k-token vocabulary takes ~0.3 s to index
         self.vocab_size = vocab_size  # the LM head's rows (logits width), padded rows included
         self.stop_token_ids = tuple(stop_token_ids)
         self.cache_size = cache_size
+        # JSON output (json_schema, json_object) is compact unless this is set: then any whitespace between tokens,
+        # for every request (docs/reliability.md). Fixed for the Grammars' life: the cache is keyed by constraint.
+        self.any_whitespace = any_whitespace
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagoda-grammar")
         self._lock = threading.Lock()  # guards the cache: held for microseconds, so submit never waits long
         self._build_lock = threading.Lock()  # guards the compiler's one-time build (seconds: the xgrammar import)
@@ -109,7 +112,7 @@ class Grammars:
     def _compile(self, constraint: Constraint) -> Any:
         compiler = self._get_compiler()
         try:
-            return _compile(compiler, constraint)
+            return _compile(compiler, constraint, self.any_whitespace)
         except ConstraintError:
             raise
         except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
@@ -131,12 +134,17 @@ def _check(constraint: Constraint) -> None:
         _choice_grammar(constraint.spec, constraint.field)
 
 
-def _compile(compiler: Any, constraint: Constraint) -> Any:
+# JSON mode is an object, as OpenAI's is: xgrammar's built-in JSON grammar also admits a top-level array.
+_ANY_OBJECT = '{"type":"object"}'
+
+
+def _compile(compiler: Any, constraint: Constraint, any_whitespace: bool) -> Any:
     kind, spec, field = constraint.kind, constraint.spec, constraint.field
-    if kind == "json_schema":
-        return compiler.compile_json_schema(spec, any_whitespace=True)
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
+    if kind in ("json_schema", "json_object"):
+        # Compact by default: one line, xgrammar's separators ", " and ": ". With any whitespace allowed, a small
+        # model can spend its whole max_tokens on newlines and indentation (docs/reliability.md).
+        return compiler.compile_json_schema(spec if kind == "json_schema" else _ANY_OBJECT,
+                                            any_whitespace=any_whitespace)
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "grammar":

@@ -20,8 +20,9 @@ from pagoda.core.tokenizer import Tokenizer
 from tests.helpers import drain, fake_engine, run, tokens
 
 # A real (tokenizers) tokenizer over the fake model's 64 ids: id 0 is the fake model's EOS, the rest one
-# character each. No whitespace token, so a JSON answer is as short as its schema allows.
-CHARS = list('{}[]":,') + [str(d) for d in range(10)] + [chr(c) for c in range(97, 123)] + [chr(c) for c in range(65, 85)]
+# character each. A space (compact JSON is written with ", " and ": ") and a newline (what compact JSON refuses).
+CHARS = (list('{}[]":,') + [str(d) for d in range(10)] + [chr(c) for c in range(97, 123)]
+         + [chr(c) for c in range(65, 83)] + [" ", "\n"])
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["xyz", "abc"]}, "b": {"type": "boolean"}},
           "required": ["a", "b"]}
 
@@ -129,7 +130,7 @@ def _allowed_ids(grammar) -> set[int]:
 def test_the_mask_never_allows_padded_vocab_rows():
     grammars = Grammars(tiny_tokenizer().token_vocab, 64 + 40, [0])  # an LM head with 40 padded rows
     grammar = grammars.matcher(grammars.submit(Constraint("json_object")).result(timeout=60))
-    for token in "{\"ab\":[1,2]}":
+    for token in '{"ab": [1, 2]}':
         allowed = _allowed_ids(grammar)
         assert allowed and max(allowed) < 64
         grammar.accept(CHARS.index(token) + 1)
@@ -211,7 +212,7 @@ CROWD = [
 
 
 def _params(constraint, temperature, seed):
-    return SamplingParams(max_tokens=22, temperature=temperature, seed=seed, constraint=constraint)
+    return SamplingParams(max_tokens=26, temperature=temperature, seed=seed, constraint=constraint)
 
 
 def test_a_crowd_mixing_constrained_and_free_requests_through_preemption_matches_the_solo_runs():
@@ -220,7 +221,7 @@ def test_a_crowd_mixing_constrained_and_free_requests_through_preemption_matches
         e = engine(num_blocks=32)
         e.add_request(str(i), prompt, _params(constraint, temperature, i))
         solo.append(tokens(drain(e)[str(i)]))
-    tight = engine(num_blocks=8, block_size=4, max_running=6)  # 32 slots for ~6 x 25: must preempt
+    tight = engine(num_blocks=8, block_size=4, max_running=6)  # 32 slots for ~6 x 29: must preempt
     for i, (prompt, constraint, temperature) in enumerate(CROWD):
         tight.add_request(str(i), prompt, _params(constraint, temperature, i))
     outs = drain(tight)
@@ -284,3 +285,52 @@ def test_constrained_output_on_the_default_model(default_engine, default_tokeniz
     assert isinstance(json.loads(text(outs["object"])), dict)
     assert text(outs["regex"]).isalpha() and text(outs["regex"])[0].isupper()
     assert text(outs["choice"]) in ("Paris", "London", "Rome")
+
+
+# -- what JSON output may look like ------------------------------------------------------------------
+
+def _matches(grammars: Grammars, constraint: Constraint, text: str) -> bool:
+    """Whether the grammar accepts `text` (a token a character) and may end there."""
+    grammar = grammars.matcher(grammars.submit(constraint).result(timeout=60))
+    try:
+        for char in text:
+            grammar.accept(CHARS.index(char) + 1)
+        grammar.accept(0)  # EOS: the grammar may end here
+    except ValueError:
+        return False
+    return grammar.is_terminated
+
+
+def test_json_object_admits_only_an_object_at_the_top_level():
+    grammars = Grammars(tiny_tokenizer().token_vocab, 64, [0])
+    grammar = grammars.matcher(grammars.submit(Constraint("json_object")).result(timeout=60))
+    assert _allowed_ids(grammar) == {CHARS.index("{") + 1}  # not '[', a digit, a quote or whitespace
+    obj = Constraint("json_object")
+    assert _matches(grammars, obj, '{"a": [1, 2]}') and _matches(grammars, obj, "{}")
+    for not_an_object in ("[1, 2]", "12", '"ab"', "true", "null"):
+        assert not _matches(grammars, obj, not_an_object), not_an_object
+    grammars.shutdown()
+
+
+@pytest.mark.parametrize("constraint", [Constraint.json_schema(SCHEMA), Constraint("json_object")],
+                         ids=["json_schema", "json_object"])
+def test_json_output_is_compact_one_line_by_default(constraint):
+    grammars = Grammars(tiny_tokenizer().token_vocab, 64, [0])
+    assert _matches(grammars, constraint, '{"a": "xyz", "b": true}')
+    for loose in ('{ "a": "xyz", "b": true}', '{"a": "xyz",\n"b": true}', '{"a":  "xyz", "b": true}',
+                  '{"a": "xyz", "b": true}\n', '\n{"a": "xyz", "b": true}'):
+        assert not _matches(grammars, constraint, loose), loose
+    grammars.shutdown()
+
+
+@pytest.mark.parametrize("constraint", [Constraint.json_schema(SCHEMA), Constraint("json_object")],
+                         ids=["json_schema", "json_object"])
+def test_grammars_with_any_whitespace_admit_it_and_still_enforce_the_format(constraint):
+    grammars = Grammars(tiny_tokenizer().token_vocab, 64, [0], any_whitespace=True)
+    for text in ('{"a": "xyz", "b": true}', '{\n  "a" : "xyz",\n  "b": true\n}', '{"a":"xyz","b":true}'):
+        assert _matches(grammars, constraint, text), text
+    assert not _matches(grammars, constraint, "[1, 2]")
+    if constraint.kind == "json_schema":
+        assert not _matches(grammars, constraint, '{"a": "no", "b": true}')
+        assert not _matches(grammars, constraint, '{"b": true}')
+    grammars.shutdown()

@@ -17,8 +17,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_a_prompt_list_with_n_makes_prompt_times_n_choices_in_openai_order():
-    call = prepared(COMPLETIONS, {"model": "m", "prompt": ["ab", [7, 8, 9]], "n": 2, "seed": 10})
-    assert [g.prompt_token_ids for g in call.choices] == [[97, 98], [97, 98], [7, 8, 9], [7, 8, 9]]
+    call = prepared(COMPLETIONS, {"model": "m", "prompt": ["ab", "xyz"], "n": 2, "seed": 10})
+    assert [g.prompt_token_ids for g in call.choices] == [[97, 98], [97, 98], [120, 121, 122], [120, 121, 122]]
     assert [g.sampling_params.seed for g in call.choices] == [10, 11, 10, 11]  # choice j: seed + j
     assert all(g.n == 1 for g in call.choices) and call.request is call.choices[0]
 

@@ -40,6 +40,7 @@ def test_no_max_tokens_is_what_fits():
 @pytest.mark.parametrize(("fields", "param"), [
     ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
     ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], "a"]}, "prompt"), ({"prompt": ["a", [1, 2]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
     ({"n": 129}, "n"), ({"prompt": ["a"] * 65, "n": 2}, "n"), ({"n": 2, "seed": 2**64 - 1}, "seed"),
     ({"stop": [""]}, "stop"),
 ])

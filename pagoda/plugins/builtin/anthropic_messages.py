@@ -81,6 +81,18 @@ def blocks_text(content: str | list[TextBlock] | None, field: str) -> str:
     return join_text_parts(content, field, index=".{}")
 
 
+def check_content(message: Message, i: int, last: bool) -> None:
+    """Refuse what Anthropic refuses, in its words: empty content (only a final assistant message may have none,
+    as a prefill of nothing) and an empty text block."""
+    if not message.content and not (last and message.role == "assistant"):
+        raise RequestError(f"messages.{i}: all messages must have non-empty content except for the optional final"
+                           " assistant message", f"messages.{i}.content")
+    for j, block in enumerate(message.content if isinstance(message.content, list) else ()):
+        if block.type == "text" and not block.text:
+            raise RequestError(f"messages.{i}.content.{j}: text content blocks must be non-empty",
+                               f"messages.{i}.content.{j}.text")
+
+
 def conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     system = blocks_text(body.system, "system")
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
@@ -88,6 +100,7 @@ def conversation(body: MessagesRequest) -> list[dict[str, Any]]:
         raise RequestError("messages: at least one message is required", "messages")
     history = CallHistory()
     for i, m in enumerate(body.messages):
+        check_content(m, i, last=i == len(body.messages) - 1)
         if not isinstance(m.content, str) and any(b.type in ("tool_use", "tool_result") for b in m.content):
             messages += at.message_entries(m.role, m.content, i, history)
         else:

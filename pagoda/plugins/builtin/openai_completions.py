@@ -33,19 +33,27 @@ class CompletionRequest(oc.SamplingFields, kw_only=True):
 
 
 def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[list[int]]:
-    """Each prompt's token ids, in order: a string, a list of token ids, or a list of those (text is encoded)."""
+    """Each prompt's token ids, in order: a string, a list of strings, a list of token ids, or a list of those lists.
+
+    A list is one of these all through: text and token ids mixed (`[[1, 2], "x"]`, `[1, "x"]`) are refused, as
+    OpenAI refuses them."""
     if isinstance(prompt, str):
         return [ctx.encode(prompt)]
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if prompt and all(_is_token_id(t) for t in prompt):
         return [list(prompt)]
-    if prompt and all(isinstance(p, (str, list)) for p in prompt):
-        out = []
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [ctx.encode(p) for p in prompt]
+    if prompt and all(isinstance(p, list) for p in prompt):
         for i, p in enumerate(prompt):
-            if isinstance(p, list) and not (p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
-                raise RequestError(f"prompt[{i}] must be a string or a non-empty list of token ids", "prompt")
-            out.append(ctx.encode(p) if isinstance(p, str) else list(p))
-        return out
-    raise RequestError("prompt must be a string, a list of token ids, or a list of those", "prompt")
+            if not (p and all(_is_token_id(t) for t in p)):
+                raise RequestError(f"prompt[{i}] must be a non-empty list of token ids", "prompt")
+        return [list(p) for p in prompt]
+    raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists,"
+                       " not a mix of them", "prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Completions(oc.Choices, Endpoint):
