@@ -27,9 +27,10 @@ ALLOWED = {
     "simulator": {"core"},
     "plugins": {"core"},
     "api": {"core", "plugins"},
-    "harness": {"api", "core", "model", "plugins", "simulator"},
-    "bench": {"api", "core", "distributed", "harness", "kernels", "model", "plugins", "simulator"},
-    "cli": {"api", "bench", "core", "harness", "model", "plugins", "simulator"},
+    "router": {"api", "core", "plugins"},  # a reverse proxy in front of replicas: pagoda's HTTP pieces, no engine
+    "harness": {"api", "core", "model", "plugins", "router", "simulator"},
+    "bench": {"api", "core", "distributed", "harness", "kernels", "model", "plugins", "router", "simulator"},
+    "cli": {"api", "bench", "core", "harness", "model", "plugins", "router", "simulator"},
 }
 # Modules that must import without torch: the simulator drives the first, any plugin loads the second.
 TORCH_FREE = ["core/request.py", "core/block_manager.py", "core/block_hash.py", "core/scheduler.py",

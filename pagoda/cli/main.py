@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pagoda.core.machine import prepare_process
 
 # Each module defines `register(subparsers)`, which adds its parser and sets `func`.
-COMMANDS = ("serve", "generate", "simulate", "bench", "plugins")
+COMMANDS = ("serve", "generate", "simulate", "bench", "plugins", "router")
 
 
 def build_parser() -> argparse.ArgumentParser:

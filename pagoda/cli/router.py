@@ -1,0 +1,79 @@
+"""`pagoda router`: a reverse proxy in front of pagoda replicas (docs/distributed.md, "The router").
+
+Every option reaches RouterSettings through `router_settings`, so a test can check each flag's way
+without starting anything (tests/router/test_cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+from pagoda.router.policy import POLICIES
+from pagoda.router.settings import RouterSettings
+
+API_KEY_ENV = "PAGODA_API_KEY"  # as `pagoda serve`
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    defaults = RouterSettings  # its fields' defaults
+    p = sub.add_parser("router", help="a reverse proxy in front of pagoda replicas")
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
+    p.add_argument("--policy", default=defaults.policy, choices=POLICIES,
+                   help="how a replica is chosen (prefix routes by least_load until its live wiring lands)")
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port, help="0 = let the system pick a free port (printed)")
+    p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
+    p.add_argument("--max-queue-per-replica", type=int, default=defaults.max_queue_per_replica, metavar="N",
+                   help="requests in flight through the router per replica; when every healthy one is full: 429")
+    p.add_argument("--health-interval", type=float, default=defaults.health_interval, metavar="SECONDS",
+                   help="how often each replica's /health is polled")
+    p.add_argument("--health-timeout", type=float, default=defaults.health_timeout, metavar="SECONDS",
+                   help="a replica whose /health takes longer is routed around")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="power_of_two's random seed")
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                   help="a bigger request body is refused with 413")
+    p.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout, metavar="SECONDS",
+                   help="on exit, how long requests in flight may run on before they are cut")
+    p.add_argument("--log-level", default=defaults.log_level, choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterSettings:
+    """What the router is told by the command line (and $PAGODA_API_KEY)."""
+    environ = os.environ if environ is None else environ
+    return RouterSettings(
+        replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None, max_queue_per_replica=args.max_queue_per_replica,
+        health_interval=args.health_interval, health_timeout=args.health_timeout, seed=args.seed,
+        max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = router_settings(args)
+    except ValueError as exc:  # before the server's imports: a mistyped URL is said at once
+        print(f"pagoda router: {exc}", file=sys.stderr)
+        return 2
+    from pagoda.api.server import run_server
+    from pagoda.plugins.manager import PluginError
+    from pagoda.router.app import create_router_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request and health poll
+    try:
+        app = create_router_app(settings)
+    except (ValueError, PluginError) as exc:
+        print(f"pagoda router: {exc}", file=sys.stderr)
+        return 2
+
+    def ready(url: str) -> None:
+        print(f"pagoda router at {url}", flush=True)
+
+    run_server(app, settings.host, settings.port, ready, log_level=settings.log_level,
+               timeout_graceful_shutdown=settings.shutdown_timeout)
+    return 0

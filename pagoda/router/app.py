@@ -1,0 +1,82 @@
+"""The router's Litestar app: its own /health and /metrics, and every other path proxied to a replica.
+
+The app owns the replicas' connection pools and the health poller: its start-up opens one
+`httpx.AsyncClient` per replica (a pool of `max_queue_per_replica` connections, no read timeout:
+a stream may last minutes), polls every replica once, so that the first request already knows which
+are healthy, and starts polling; its shutdown stops the poller and closes the pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pluggy
+from litestar import Litestar, Response, asgi, get
+from litestar.types import Receive, Scope, Send
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagoda.plugins.manager import load_plugins
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.policy import make_policy
+from pagoda.router.proxy import Proxy
+from pagoda.router.replicas import Fleet
+from pagoda.router.routes import RouteTable
+from pagoda.router.settings import RouterSettings
+
+# An idle pooled connection is dropped after this many seconds, well before the replica's uvicorn closes it
+# (its keep-alive timeout, 5 s): a request sent on a connection the replica is closing at that moment gets no
+# answer, and since the router cannot tell whether the replica read it, it answers 502 instead of retrying.
+KEEPALIVE_EXPIRY = 2.0
+
+
+def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | None = None) -> Litestar:
+    """A router over `settings.replicas`; `plugins` (default: those `pagoda serve` loads) say what each path is."""
+    table = RouteTable.from_plugins(plugins if plugins is not None else load_plugins())
+    fleet = Fleet(settings.replicas, make_policy(settings.policy, settings.seed), settings.max_queue_per_replica)
+    metrics = RouterMetrics(fleet)
+    proxy = Proxy(fleet, table, metrics, settings)
+
+    @get("/health", cache=False)
+    async def health() -> Response[dict[str, Any]]:
+        """The replicas' counters summed over the healthy ones, and each replica's; 503 when none is healthy."""
+        summary = fleet.summary()
+        return Response(summary, status_code=200 if summary["status"] == "ok" else 503)
+
+    @get("/metrics", cache=False)
+    async def router_metrics() -> Response[bytes]:
+        """Prometheus metrics, names starting with pagoda_router_."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST, status_code=200)
+
+    @asgi("/", is_mount=True, copy_scope=True)
+    async def forward(scope: Scope, receive: Receive, send: Send) -> None:
+        await proxy(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def replicas_open(_: Litestar) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
+        limits = httpx.Limits(max_connections=settings.max_queue_per_replica,
+                              max_keepalive_connections=settings.max_queue_per_replica,
+                              keepalive_expiry=KEEPALIVE_EXPIRY)
+        for replica in fleet.replicas:
+            replica.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        health_client = httpx.AsyncClient(timeout=settings.health_timeout)
+        poller: asyncio.Task[None] | None = None
+        try:
+            await fleet.poll_once(health_client, settings.health_timeout)
+            poller = asyncio.create_task(fleet.poll_forever(health_client, settings.health_interval,
+                                                            settings.health_timeout))
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+            for client in [health_client, *(r.client for r in fleet.replicas if r.client is not None)]:
+                await client.aclose()
+
+    app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None)
+    app.state.fleet = fleet  # read by tests and by whoever embeds a router
+    return app

@@ -1,0 +1,149 @@
+"""The replicas behind a router: each one's client, health and requests in flight, and admission.
+
+Design note. Health is polled (`poll_forever`: each replica's /health every `health_interval`
+seconds, each on its own loop): a replica is healthy when its /health answers 200 with status "ok"; down,
+draining (503) or slower than `health_timeout` it is routed around until a poll says ok again. A
+request that finds a replica unreachable, or that a replica refuses with 503, marks it unhealthy at
+once, so traffic leaves a dead replica before the next poll notices. Requests in flight are counted
+here, through `Fleet.admit`, which is the bounded queue: a context manager that picks a replica with
+the policy among those healthy and under `max_queue_per_replica`, counts the request there, and
+uncounts it when its `with` block ends, whatever the way out. Choosing and counting happen with no
+await in between, so on the router's one event loop two requests never both take a replica's last slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pagoda.router.policy import Policy, ReplicaState, RequestInfo
+
+logger = logging.getLogger("pagoda.router")
+
+# the /health fields a router sums over its healthy replicas, besides every integer `*_total` counter
+SUMMED_FIELDS = ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
+
+
+@dataclass
+class Replica:
+    """One replica: where it is, what its /health last said, and the requests in flight to it."""
+
+    index: int
+    url: str
+    max_in_flight: int
+    client: httpx.AsyncClient | None = None  # its connection pool, opened on the router's event loop
+    in_flight: int = 0
+    healthy: bool = False  # until the first poll says ok
+    status: str = "unknown"  # "ok", the replica's own word ("draining", "unavailable"), or "unreachable"
+    health: dict[str, Any] = field(default_factory=dict)  # its latest /health body
+    error: str | None = None  # why it is not healthy, when it is not
+
+    def state(self) -> ReplicaState:
+        return ReplicaState(self.index, self.url, self.healthy, self.in_flight, self.max_in_flight, self.health)
+
+    def mark_down(self, status: str, error: str) -> None:
+        """A poll or a request found it unable to serve: route around it until a poll says ok again."""
+        if self.healthy:
+            logger.warning("replica %s is %s: %s", self.url, status, error)
+        self.healthy, self.status, self.error = False, status, error
+
+    def describe(self) -> dict[str, Any]:
+        """Its entry in the router's /health: its own /health fields, then the router's view of it."""
+        view = {**self.health, "url": self.url, "status": self.status, "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight}
+        return view if self.error is None else {**view, "error": self.error}
+
+
+class Refused(Exception):
+    """No replica may take the request: `status` 503 (none healthy) or 429 (every healthy one full)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Fleet:
+    """The replicas, the policy that chooses among them, and their health."""
+
+    def __init__(self, urls: Sequence[str], policy: Policy, max_in_flight: int) -> None:
+        self.replicas = [Replica(i, url, max_in_flight) for i, url in enumerate(urls)]
+        self.policy = policy
+
+    @property
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    @contextmanager
+    def admit(self, request: RequestInfo, exclude: frozenset[int] = frozenset()) -> Iterator[Replica]:
+        """`with fleet.admit(request) as replica:` the replica the policy picks, leaving out `exclude` (those this
+        request already tried), with the request counted in flight there until the block ends; Refused if none may."""
+        states = [r.state() for r in self.replicas]
+        states = [s if s.index not in exclude else ReplicaState(s.index, s.url, False, s.in_flight,
+                                                                s.max_in_flight, s.health) for s in states]
+        if not any(s.healthy for s in states):
+            raise Refused(503, "no replica can serve this request now (none is healthy)")
+        if not any(s.available for s in states):
+            bound = self.replicas[0].max_in_flight
+            raise Refused(429, f"every healthy replica has {bound} requests in flight; retry later")
+        index = self.policy.choose(states, request)
+        assert states[index].available, f"policy {self.policy.name} chose replica {index}, which is not available"
+        replica = self.replicas[index]
+        replica.in_flight += 1
+        try:
+            yield replica
+        finally:
+            replica.in_flight -= 1
+            assert replica.in_flight >= 0, (replica.url, replica.in_flight)
+
+    async def poll_once(self, http: httpx.AsyncClient, timeout: float) -> None:
+        """Ask every replica's /health at once and record what each said."""
+        await asyncio.gather(*(self._poll(replica, http, timeout) for replica in self.replicas))
+
+    async def poll_forever(self, http: httpx.AsyncClient, interval: float, timeout: float) -> None:
+        """Each replica's /health every `interval` seconds, until cancelled; one loop each, so that a replica
+        slow to answer delays no other's."""
+        async def poll_one(replica: Replica) -> None:
+            while True:
+                await asyncio.sleep(interval)
+                await self._poll(replica, http, timeout)
+
+        await asyncio.gather(*(poll_one(replica) for replica in self.replicas))
+
+    @staticmethod
+    async def _poll(replica: Replica, http: httpx.AsyncClient, timeout: float) -> None:
+        try:
+            response = await http.get(f"{replica.url}/health", timeout=timeout)
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            replica.mark_down("unreachable", f"/health: {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(body, dict):
+            replica.mark_down("unreachable", f"/health answered {response.status_code} with no JSON object")
+            return
+        replica.health = body
+        status = str(body.get("status", f"http {response.status_code}"))
+        if response.status_code == 200 and status == "ok":
+            if not replica.healthy:
+                logger.info("replica %s is healthy", replica.url)
+            replica.healthy, replica.status, replica.error = True, "ok", None
+        else:
+            replica.mark_down(status, str(body.get("error", f"/health answered {response.status_code} {status}")))
+
+    def summary(self) -> dict[str, Any]:
+        """The router's /health body: a server's fields summed over the healthy replicas, then each replica."""
+        healthy = self.healthy
+        sums: dict[str, int] = {name: 0 for name in SUMMED_FIELDS}
+        for replica in healthy:
+            for name, value in replica.health.items():
+                if (name in SUMMED_FIELDS or name.endswith("_total")) and type(value) is int:
+                    sums[name] = sums.get(name, 0) + value
+        return {"status": "ok" if healthy else "unavailable", **sums, "policy": self.policy.name,
+                "replicas_healthy": len(healthy), "in_flight": sum(r.in_flight for r in self.replicas),
+                "replicas": [r.describe() for r in self.replicas]}

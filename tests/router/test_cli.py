@@ -1,0 +1,91 @@
+"""`pagoda router`: every option reaches RouterSettings, bad ones are refused, and the command serves."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+import httpx
+import pytest
+
+from pagoda.cli.main import build_parser, main
+from pagoda.cli.router import router_settings
+from pagoda.router.settings import RouterSettings
+from tests.router.helpers import REPLICA_HEADER, replicas  # noqa: F401  (fixtures)
+
+BASE = ["--replica", "http://127.0.0.1:8001"]
+
+# option -> (its arguments, what must hold of the settings they built)
+ROWS: dict[str, tuple[list[str], Callable[[RouterSettings], Any]]] = {
+    "--replica": (["--replica", "http://a:1/", "--replica", "https://b:2"],
+                  lambda s: s.replicas == ("http://a:1", "https://b:2")),
+    "--policy": (["--policy", "power_of_two"], lambda s: s.policy == "power_of_two"),
+    "--host": (["--host", "::1"], lambda s: s.host == "::1"),
+    "--port": (["--port", "0"], lambda s: s.port == 0),
+    "--api-key": (["--api-key", "sekret"], lambda s: s.api_key == "sekret"),
+    "--max-queue-per-replica": (["--max-queue-per-replica", "3"], lambda s: s.max_queue_per_replica == 3),
+    "--health-interval": (["--health-interval", "0.25"], lambda s: s.health_interval == 0.25),
+    "--health-timeout": (["--health-timeout", "1.5"], lambda s: s.health_timeout == 1.5),
+    "--seed": (["--seed", "9"], lambda s: s.seed == 9),
+    "--max-body-bytes": (["--max-body-bytes", "1000"], lambda s: s.max_body_bytes == 1000),
+    "--shutdown-timeout": (["--shutdown-timeout", "7"], lambda s: s.shutdown_timeout == 7),
+    "--log-level": (["--log-level", "warning"], lambda s: s.log_level == "warning"),
+}
+
+
+def settings_of(argv: list[str], environ: dict[str, str] | None = None) -> RouterSettings:
+    return router_settings(build_parser().parse_args(["router", *argv]), environ or {})
+
+
+@pytest.mark.parametrize("option", sorted(ROWS))
+def test_each_option_reaches_the_settings(option):
+    argv, holds = ROWS[option]
+    assert holds(settings_of(argv if option == "--replica" else [*BASE, *argv]))
+
+
+def test_every_option_has_a_row_and_the_defaults_are_the_contracts():
+    parser = build_parser()
+    router = parser._subparsers._group_actions[0].choices["router"]
+    options = {o for a in router._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert options == set(ROWS)
+    s = settings_of(BASE)
+    assert (s.policy, s.host, s.port, s.api_key) == ("prefix", "127.0.0.1", 8000, None)
+    assert settings_of(BASE, {"PAGODA_API_KEY": "from-env"}).api_key == "from-env"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--replica", "127.0.0.1:8001"], "not an http"),
+    (["--replica", "http://a:1", "--replica", "http://a:1/"], "named twice"),
+    ([*BASE, "--max-queue-per-replica", "0"], "max_queue_per_replica"),
+    ([*BASE, "--health-interval", "0"], "health_interval"),
+])
+def test_bad_settings_are_refused_with_status_2(capsys, argv, message):
+    assert main(["router", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # noqa: F811
+    cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", "round_robin", "--log-level", "warning",
+           *(arg for r in replicas for arg in ("--replica", r.url))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(120)
+        assert line and line[0].startswith("pagoda router at http://127.0.0.1:"), (line, proc.poll())
+        url = line[0].split(" at ")[1].strip()
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["status"] == "ok" and [r["url"] for r in health["replicas"]] == [r.url for r in replicas]
+        body = {"model": "m", "prompt": "pagoda", "max_tokens": 2}
+        served = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).headers[REPLICA_HEADER] for _ in range(2)]
+        assert served == [r.url for r in replicas]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
