@@ -1,4 +1,4 @@
-"""`pagoda simulate`: replay a crowd through the real scheduler with the fake model."""
+"""`pagoda simulate`: replay a crowd through the real scheduler with the fake model, on one engine or a fleet."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import sys
 
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import configure_threads
-from pagoda.simulator.crowd import crowd_to_json, load_crowd, mixed_crowd
-from pagoda.simulator.simulate import SimulationConfig, simulate
+from pagoda.core.routing import BALANCE_REL_THRESHOLD, POLICIES
+from pagoda.simulator.crowd import (
+    ClientPlan, agent_crowd, chat_crowd, crowd_to_json, load_crowd, mixed_crowd, shared_prefix_crowd,
+)
+from pagoda.simulator.fleet import FleetConfig, FleetReport, simulate_fleet
+from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
+
+SHAPES = ("mixed", "shared-prefix", "chat", "agent")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +27,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--hangup-fraction", type=float, default=0.25)
+    p.add_argument("--hangup-fraction", type=float, default=0.25, help="mixed crowds: the share that hang up")
     p.add_argument("--crowd", help="replay a crowd saved as JSON instead of generating one")
+    p.add_argument("--crowd-shape", choices=SHAPES, default="mixed",
+                   help="the generated crowd: mixed (the default), one shared system prompt, multi-turn chats "
+                        "(3 turns each) or agents (3 steps each, behind one of 2 tool preambles)")
+    p.add_argument("--arrival-rate", type=float,
+                   help="new clients (first turns) per virtual second; default: the shape's own spacing")
+    p.add_argument("--replicas", type=int, default=1, help="engines behind a simulated router (default 1: no router)")
+    p.add_argument("--router", choices=POLICIES, help="the fleet's routing policy (default prefix)")
+    p.add_argument("--balance-abs-threshold", type=int,
+                   help="prefix: imbalanced when max - min load exceeds this (default: --max-running) ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
+                   help=f"... and max exceeds this times min (default {BALANCE_REL_THRESHOLD})")
     p.add_argument("--save-crowd", help="write the crowd that was run to this JSON file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -32,7 +49,12 @@ def run(args: argparse.Namespace) -> int:
     configure_threads(1)  # the fake model's tensors are tiny: one thread pays no pool wake-ups on every op
     if not 0 <= args.hangup_fraction <= 1:
         raise SystemExit("--hangup-fraction must be in [0, 1]")
-    plans = load_crowd(args.crowd) if args.crowd else mixed_crowd(args.seed, args.clients, args.hangup_fraction)
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be >= 1")
+    if args.arrival_rate is not None and args.arrival_rate <= 0:
+        raise SystemExit("--arrival-rate must be > 0")
+    plans = load_crowd(args.crowd) if args.crowd else make_crowd(args.crowd_shape, args.seed, args.clients,
+                                                                 args.hangup_fraction, args.arrival_rate)
     if args.save_crowd:
         with open(args.save_crowd, "w") as f:
             f.write(crowd_to_json(plans))
@@ -43,19 +65,56 @@ def run(args: argparse.Namespace) -> int:
         max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
     )
-    report = simulate(plans, SimulationConfig(engine=engine, model_seed=args.seed))
+    config = SimulationConfig(engine=engine, model_seed=args.seed)
+    if args.replicas == 1 and args.router is None:
+        report: SimulationReport = simulate(plans, config)  # one engine, no router: the report as it always was
+    else:
+        fleet = FleetConfig(replicas=args.replicas, router=args.router or "prefix", seed=args.seed,
+                            balance_abs_threshold=args.balance_abs_threshold,
+                            balance_rel_threshold=args.balance_rel_threshold)
+        report = simulate_fleet(plans, fleet, config)
     summary = report.summary()
     if args.json:
         print(json.dumps(summary))
     else:
         for key, value in summary.items():
-            print(f"{key:>22}: {value}")
+            if key != "replicas":
+                print(f"{key:>22}: {value}")
+        if isinstance(report, FleetReport):
+            print(replica_table(report))
         if not report.ok:
             print("FAILED: " + ", ".join(_failures(report)), file=sys.stderr)
     return 0 if report.ok else 1
 
 
-def _failures(report) -> list[str]:
+def make_crowd(shape: str, seed: int, clients: int, hangup_fraction: float, rate: float | None) -> list[ClientPlan]:
+    """`clients` plans of the shape; chats and agents are cut to `clients` plans (whole conversations first)."""
+    if shape == "mixed":
+        window = {} if rate is None else {"arrival_window": clients / rate}
+        return mixed_crowd(seed, clients, hangup_fraction, **window)
+    if shape == "shared-prefix":
+        gap = {} if rate is None else {"arrival_gap": 1 / rate}
+        return shared_prefix_crowd(seed, clients=clients, **gap)
+    sessions = -(-clients // 3)
+    window = {} if rate is None else {"arrival_window": sessions / rate}
+    if shape == "chat":
+        return chat_crowd(seed, chats=sessions, turns=3, **window)[:clients]
+    return agent_crowd(seed, agents=sessions, steps=3, **window)[:clients]
+
+
+def replica_table(report: FleetReport) -> str:
+    """One row per replica: what it was sent, what it did, its cache hits and its audit."""
+    head = ("replica", "routed", "completed", "hung_up", "peak_running", "preemptions", "hit_rate", "audit")
+    rows = [head] + [
+        (str(i), str(r.routed), str(r.completed), str(r.hung_up), str(r.peak_running), str(r.preemptions),
+         f"{r.prefix_hit_rate:.3f}", r.audit)
+        for i, r in enumerate(report.replicas)
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _failures(report: SimulationReport) -> list[str]:
     failures = []
     if report.audit != "ok":
         failures.append(f"audit: {report.audit}")

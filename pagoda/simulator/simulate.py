@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
 from pagoda.core.block_audit import AuditError
@@ -91,16 +92,7 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
     started = time.perf_counter()
     run = _CrowdRun(plans, config)
     audit = run.run()
-    matches = True
-    solo_steps = 0
-    if check_solo:
-        for result in run.results.values():
-            if result.status == "completed":
-                solo = _CrowdRun([run.sent_plan(result.client_id).alone()], config)
-                solo.run()
-                solo_steps += solo.steps
-                result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
-                matches = matches and result.matches_solo
+    matches, solo_steps = check_against_solo(run.results.values(), run.sent_plan, config) if check_solo else (True, 0)
     wall = time.perf_counter() - started
     engine = run.engine
     stats = engine.stats()
@@ -130,6 +122,21 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
         max_steps_to_release=max((r.steps_to_release or 0 for r in results), default=0),
         results=results,
     )
+
+
+def check_against_solo(results: Iterable[ClientResult], sent_plan: Callable[[str], ClientPlan],
+                       config: SimulationConfig) -> tuple[bool, int]:
+    """Run every completed client alone on a fresh engine (the prompt it was sent, arriving at once, staying);
+    sets each one's `matches_solo`. Returns whether all matched, and the solo runs' steps."""
+    matches, solo_steps = True, 0
+    for result in results:
+        if result.status == "completed":
+            solo = _CrowdRun([sent_plan(result.client_id).alone()], config)
+            solo.run()
+            solo_steps += solo.steps
+            result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
+            matches = matches and result.matches_solo
+    return matches, solo_steps
 
 
 class _CrowdRun:

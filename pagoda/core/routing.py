@@ -1,0 +1,206 @@
+"""Routing policies: which replica of a fleet serves a request.
+
+Design note. A router sees, per request, its prompt tokens and cache keys
+(`cache_salt`, tenant), and per replica one load number (requests sent there
+and not yet answered); it answers a replica index. It cannot see a replica's prefix
+cache, so the `prefix` policy keeps its own approximate index per replica, as
+SGLang's cache-aware router keeps a radix tree per worker: the chained block
+hashes of every prompt it sent there, least recently routed evicted first once
+the index holds as many blocks as the replica's pool. The hashes are the
+engine's own (`core/block_hash.py`, on a request holding the prompt), so salt
+and tenant separate prompts here exactly as they do in the cache.
+
+`prefix` in the spirit of SGLang's cache-aware policy: when the loads are
+imbalanced beyond BOTH an absolute and a relative threshold
+(max - min > `balance_abs_threshold` and max > `balance_rel_threshold` * min),
+it sends the request to the least loaded replica; otherwise to the replica
+whose index matches the longest prefix of the prompt (ties: the less loaded,
+then the lower index), and with no match at all to the least loaded. Where it
+falls back to the least loaded, ties go to the replica whose index holds the
+fewest blocks (SGLang sends a miss to the smallest tree: the emptiest cache,
+so a new prefix does not evict a warm one while another replica sits cold),
+then to the lower index. So the replica it picks never holds more than
+max(min + abs, rel * min) requests.
+
+Policies live in core because core is the one room that both the simulator's
+fleet (simulator/fleet.py, which may import core alone) and the live router
+(router/, whose `choose(replicas, request)` seam can hand each replica's requests
+in flight as `loads`) may import: bookkeeping only, no torch. Each `route` is one
+decision, and a policy's state (its turn, its RNG, its index) changes only there.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagoda.core import block_hash
+from pagoda.core.request import Request
+from pagoda.core.sampling_params import SamplingParams
+
+POLICIES = ("round_robin", "least_load", "prefix", "power_of_two")
+# SGLang's router defaults are 64 requests and 1.5x, for workers that run hundreds of requests at once. The
+# absolute threshold here is one replica's worth of running requests (the fleet passes its max_running; 16 is
+# the engine's default): beyond it a request sent to the warm replica waits behind a whole batch.
+BALANCE_ABS_THRESHOLD = 16
+BALANCE_REL_THRESHOLD = 1.5
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows of a request: its prompt and the keys its cached blocks are shared under."""
+
+    prompt_token_ids: Sequence[int]
+    cache_salt: str | None = None
+    tenant: str | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """One decision: the replica, why (a policy name, or prefix's "match", "balance", "no_match"), and how many
+    of the prompt's full blocks the chosen replica's index already held."""
+
+    replica: int
+    reason: str
+    matched_blocks: int = 0
+
+
+def least_loaded(loads: Sequence[int]) -> int:
+    """The replica with the fewest requests; ties go to the lowest index."""
+    return loads.index(min(loads))
+
+
+def prompt_block_hashes(request: RouteRequest, block_size: int) -> list[int]:
+    """The chained hashes of the prompt's full blocks, by the prefix cache's own function and keys."""
+    held = Request("route", list(request.prompt_token_ids), SamplingParams(), cache_salt=request.cache_salt,
+                   tenant=request.tenant)
+    return block_hash.block_hashes(held, block_size, len(held.prompt_token_ids) // block_size)
+
+
+class RoundRobin:
+    """Replica 0, 1, ..., N-1, 0, ...: assignment counts never differ by more than one."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+        self._next = 0
+
+    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
+        """One decision: whose turn it is."""
+        replica, self._next = self._next, (self._next + 1) % self.num_replicas
+        return Route(replica, "round_robin")
+
+
+class LeastLoad:
+    """The replica with the fewest running + waiting requests, ties by index."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+
+    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
+        """One decision: the least loaded."""
+        return Route(least_loaded(loads), "least_load")
+
+
+class PowerOfTwo:
+    """Two distinct replicas drawn from a seeded RNG; the less loaded of the two (ties: the lower index)."""
+
+    def __init__(self, num_replicas: int, seed: int = 0) -> None:
+        self.num_replicas = num_replicas
+        self._rng = random.Random(seed)
+
+    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
+        """One decision: the less loaded of two drawn."""
+        if self.num_replicas == 1:
+            return Route(0, "power_of_two")
+        a, b = sorted(self._rng.sample(range(self.num_replicas), 2))
+        return Route(b if loads[b] < loads[a] else a, "power_of_two")
+
+
+class PrefixAware:
+    """The longest cached prefix, unless the loads are imbalanced (see the module's note)."""
+
+    def __init__(self, num_replicas: int, block_size: int, index_capacity: int,
+                 balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+        if index_capacity < 1:
+            raise ValueError(f"index_capacity must be >= 1 block, got {index_capacity}")
+        if balance_abs_threshold < 0 or balance_rel_threshold < 1:
+            raise ValueError("balance thresholds must be abs >= 0 and rel >= 1, got "
+                             f"{balance_abs_threshold} and {balance_rel_threshold}")
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self.index_capacity = index_capacity
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        # per replica: block hash -> None, least recently routed first (the router's view of its cache)
+        self._index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def imbalanced(self, loads: Sequence[int]) -> bool:
+        """Beyond both thresholds: then the least loaded replica gets the request, whatever it holds."""
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+
+    def matched_blocks(self, replica: int, hashes: Sequence[int]) -> int:
+        """How many of the leading hashes the replica's index holds."""
+        index = self._index[replica]
+        n = 0
+        for h in hashes:
+            if h not in index:
+                break
+            n += 1
+        return n
+
+    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
+        """One decision; the prompt's blocks join the chosen replica's index."""
+        return self.route_hashes(prompt_block_hashes(request, self.block_size), loads)
+
+    def route_hashes(self, hashes: Sequence[int], loads: Sequence[int]) -> Route:
+        """`route` for a caller that has the prompt's block hashes already (a live router's `RequestInfo`)."""
+        if self.imbalanced(loads):
+            replica, reason = self._least_loaded(loads), "balance"
+        else:
+            matches = [self.matched_blocks(r, hashes) for r in range(self.num_replicas)]
+            best = max(matches)
+            if best == 0:
+                replica, reason = self._least_loaded(loads), "no_match"
+            else:  # the longest match; ties: the less loaded, then the lower index
+                replica = min((r for r in range(self.num_replicas) if matches[r] == best), key=lambda r: loads[r])
+                reason = "match"
+        route = Route(replica, reason, self.matched_blocks(replica, hashes))
+        self._remember(replica, hashes)
+        return route
+
+    def _least_loaded(self, loads: Sequence[int]) -> int:
+        """The least loaded replica; ties: the one whose index holds the fewest blocks, then the lower index."""
+        return min(range(self.num_replicas), key=lambda r: (loads[r], len(self._index[r])))
+
+    def _remember(self, replica: int, hashes: Sequence[int]) -> None:
+        """The prompt's blocks are now (about to be) cached there; its head is touched last, so evicted last."""
+        index = self._index[replica]
+        for h in reversed(hashes):
+            index[h] = None
+            index.move_to_end(h)
+        while len(index) > self.index_capacity:
+            index.popitem(last=False)
+
+
+Router = RoundRobin | LeastLoad | PowerOfTwo | PrefixAware
+
+
+def make_router(policy: str, num_replicas: int, block_size: int, index_capacity: int, seed: int = 0,
+                balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> Router:
+    """The named policy over `num_replicas` replicas; ValueError for an unknown name."""
+    if num_replicas < 1:
+        raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
+    if policy == "round_robin":
+        return RoundRobin(num_replicas)
+    if policy == "least_load":
+        return LeastLoad(num_replicas)
+    if policy == "power_of_two":
+        return PowerOfTwo(num_replicas, seed)
+    if policy == "prefix":
+        return PrefixAware(num_replicas, block_size, index_capacity, balance_abs_threshold, balance_rel_threshold)
+    raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(POLICIES)}")
