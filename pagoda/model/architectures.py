@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.model.config import ModelConfig, ModelConfigError
+from pagoda.model.gguf_layout import layouts_by_architecture
 from pagoda.plugins.architecture import Architecture
 
 
@@ -25,16 +26,13 @@ class Architectures:
         self.by_name: dict[str, Architecture] = {}
         self.by_class: dict[str, Architecture] = {}
         self.by_model_type: dict[str, Architecture] = {}
-        self.gguf_layouts: dict[str, Any] = {}  # general.architecture -> GgufLayout
+        archs = list(archs)
         for arch in archs:
             self.by_name[arch.name] = arch
             self.by_class.update(dict.fromkeys(arch.hf_architectures, arch))
             self.by_model_type.update(dict.fromkeys(arch.model_types, arch))
-            for layout in arch.gguf:
-                self.gguf_layouts.update(dict.fromkeys(layout.architectures, layout))
-
-    def __iter__(self):
-        return iter(self.by_name.values())
+        # general.architecture -> GgufLayout; a GGUF architecture two plugins claim is an error
+        self.gguf_layouts = layouts_by_architecture(*(layout for arch in archs for layout in arch.gguf))
 
     def for_config(self, raw: Mapping[str, Any]) -> Architecture:
         """The plugin serving a config.json: by `architectures[0]`, else by `model_type`."""
