@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pagoda.router.policy import POLICIES
+from pagoda.core.routing import POLICIES
 from pagoda.router.settings import RouterSettings
 
 API_KEY_ENV = "PAGODA_API_KEY"  # as `pagoda serve`
@@ -24,7 +24,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
     p.add_argument("--policy", default=defaults.policy, choices=POLICIES,
-                   help="how a replica is chosen (prefix routes by least_load until its live wiring lands)")
+                   help="how a replica is chosen: prefix keys on the prompt's cached blocks, balanced by load")
+    p.add_argument("--model", default="default",
+                   help="the replicas' model ('default', a GGUF file or a Hugging Face directory): the prefix policy "
+                        "renders prompts with its tokenizer and chat template (no weights are loaded)")
+    p.add_argument("--tool-parser", default=defaults.tool_parser,
+                   help="the replicas' --tool-parser, so that a prompt with tools renders as theirs do")
+    p.add_argument("--balance-abs-threshold", type=int, default=defaults.balance_abs_threshold, metavar="N",
+                   help="prefix: loads count as imbalanced when the most and least in flight differ by more than N")
+    p.add_argument("--balance-rel-threshold", type=float, default=defaults.balance_rel_threshold, metavar="X",
+                   help="prefix: ... and the most is over X times the least; then the least loaded gets the request")
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port, help="0 = let the system pick a free port (printed)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
@@ -44,10 +53,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterSettings:
-    """What the router is told by the command line (and $PAGODA_API_KEY)."""
+    """What the router is told by the command line (and $PAGODA_API_KEY); for the prefix policy, --model is
+    resolved to its directory as `pagoda serve` resolves it (OSError or ValueError when it cannot be)."""
     environ = os.environ if environ is None else environ
+    model_dir = None
+    if args.policy == "prefix":
+        from pagoda.model.hub import resolve_model
+
+        model_dir = str(resolve_model(args.model, progress=False))
     return RouterSettings(
-        replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
+        replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port, model_dir=model_dir,
+        tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
+        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         api_key=args.api_key or environ.get(API_KEY_ENV) or None, max_queue_per_replica=args.max_queue_per_replica,
         health_interval=args.health_interval, health_timeout=args.health_timeout, seed=args.seed,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
@@ -56,7 +73,7 @@ def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
 def run(args: argparse.Namespace) -> int:
     try:
         settings = router_settings(args)
-    except ValueError as exc:  # before the server's imports: a mistyped URL is said at once
+    except (OSError, ValueError) as exc:  # before the server's imports: a mistyped URL is said at once
         print(f"pagoda router: {exc}", file=sys.stderr)
         return 2
     from pagoda.api.server import run_server

@@ -152,29 +152,35 @@ class PrefixAware:
             n += 1
         return n
 
-    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
-        """One decision; the prompt's blocks join the chosen replica's index."""
-        return self.route_hashes(prompt_block_hashes(request, self.block_size), loads)
+    def route(self, request: RouteRequest, loads: Sequence[int], eligible: Sequence[int] | None = None) -> Route:
+        """One decision among `eligible` replicas (default: all); the prompt's blocks join the chosen one's index.
 
-    def route_hashes(self, hashes: Sequence[int], loads: Sequence[int]) -> Route:
-        """`route` for a caller that has the prompt's block hashes already (a live router's `RequestInfo`)."""
-        if self.imbalanced(loads):
-            replica, reason = self._least_loaded(loads), "balance"
+        A live router passes the replicas it may send to now (healthy, under their bound); the loads of the others
+        take no part, so a replica that is down neither attracts nor repels traffic."""
+        return self.route_hashes(prompt_block_hashes(request, self.block_size), loads, eligible)
+
+    def route_hashes(self, hashes: Sequence[int], loads: Sequence[int], eligible: Sequence[int] | None = None) -> Route:
+        """`route` for a caller that has the prompt's block hashes already."""
+        candidates = range(self.num_replicas) if eligible is None else sorted(eligible)
+        if not candidates:
+            raise ValueError("no replica is eligible")
+        if self.imbalanced([loads[r] for r in candidates]):
+            replica, reason = self._least_loaded(loads, candidates), "balance"
         else:
-            matches = [self.matched_blocks(r, hashes) for r in range(self.num_replicas)]
-            best = max(matches)
+            matches = {r: self.matched_blocks(r, hashes) for r in candidates}
+            best = max(matches.values())
             if best == 0:
-                replica, reason = self._least_loaded(loads), "no_match"
+                replica, reason = self._least_loaded(loads, candidates), "no_match"
             else:  # the longest match; ties: the less loaded, then the lower index
-                replica = min((r for r in range(self.num_replicas) if matches[r] == best), key=lambda r: loads[r])
+                replica = min((r for r in candidates if matches[r] == best), key=lambda r: loads[r])
                 reason = "match"
         route = Route(replica, reason, self.matched_blocks(replica, hashes))
         self._remember(replica, hashes)
         return route
 
-    def _least_loaded(self, loads: Sequence[int]) -> int:
-        """The least loaded replica; ties: the one whose index holds the fewest blocks, then the lower index."""
-        return min(range(self.num_replicas), key=lambda r: (loads[r], len(self._index[r])))
+    def _least_loaded(self, loads: Sequence[int], candidates: Sequence[int]) -> int:
+        """The least loaded candidate; ties: the one whose index holds the fewest blocks, then the lower index."""
+        return min(candidates, key=lambda r: (loads[r], len(self._index[r])))
 
     def _remember(self, replica: int, hashes: Sequence[int]) -> None:
         """The prompt's blocks are now (about to be) cached there; its head is touched last, so evicted last."""

@@ -19,9 +19,11 @@ from litestar import Litestar, Response, asgi, get
 from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagoda.plugins.manager import load_plugins
+from pagoda.core.tokenizer import Tokenizer
+from pagoda.plugins.manager import collect_tool_parsers, load_plugins
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policy import make_policy
+from pagoda.router.prompts import PromptReader
 from pagoda.router.proxy import Proxy
 from pagoda.router.replicas import Fleet
 from pagoda.router.routes import RouteTable
@@ -35,10 +37,12 @@ KEEPALIVE_EXPIRY = 2.0
 
 def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | None = None) -> Litestar:
     """A router over `settings.replicas`; `plugins` (default: those `pagoda serve` loads) say what each path is."""
-    table = RouteTable.from_plugins(plugins if plugins is not None else load_plugins())
-    fleet = Fleet(settings.replicas, make_policy(settings.policy, settings.seed), settings.max_queue_per_replica)
+    plugins = plugins if plugins is not None else load_plugins()
+    table = RouteTable.from_plugins(plugins)
+    policy = make_policy(settings.policy, settings.seed, settings.balance_abs_threshold, settings.balance_rel_threshold)
+    fleet = Fleet(settings.replicas, policy, settings.max_queue_per_replica)
     metrics = RouterMetrics(fleet)
-    proxy = Proxy(fleet, table, metrics, settings)
+    proxy = Proxy(fleet, table, metrics, settings, prompt_reader(settings, plugins) if policy.reads_prompt else None)
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
@@ -80,3 +84,14 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
     app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None)
     app.state.fleet = fleet  # read by tests and by whoever embeds a router
     return app
+
+
+def prompt_reader(settings: RouterSettings, plugins: pluggy.PluginManager) -> PromptReader:
+    """Reads prompts with the replicas' tokenizer and tool parser (the model directory's, no weights)."""
+    if settings.model_dir is None:
+        raise ValueError("the prefix policy reads prompts with the replicas' tokenizer: give the model (--model)")
+    parsers = collect_tool_parsers(plugins)
+    if settings.tool_parser is not None and settings.tool_parser not in parsers:
+        raise ValueError(f"tool_parser {settings.tool_parser!r} is not registered; registered: {', '.join(parsers)}")
+    return PromptReader(Tokenizer.from_dir(settings.model_dir), settings.api_key,
+                        parsers[settings.tool_parser] if settings.tool_parser else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagoda.router.replicas import Fleet
@@ -21,7 +21,7 @@ class FleetCollector(Collector):
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         in_flight = GaugeMetricFamily("pagoda_router_in_flight", "Requests in flight through this router, by replica.",
                                       labels=["replica"])
         bound = GaugeMetricFamily("pagoda_router_max_in_flight", "The most requests in flight a replica may hold "
@@ -33,6 +33,14 @@ class FleetCollector(Collector):
             bound.add_metric([replica.url], replica.max_in_flight)
             healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
         yield from (in_flight, bound, healthy)
+        reasons = getattr(self.fleet.policy, "reasons", None)  # the prefix policy's decisions, by why
+        if reasons is not None:
+            decisions = CounterMetricFamily("pagoda_router_prefix_decisions", "Prefix policy decisions: the longest "
+                                            "cached prefix (match), none cached (no_match), or loads too far apart "
+                                            "(balance).", labels=["reason"])
+            for reason in ("match", "no_match", "balance"):
+                decisions.add_metric([reason], reasons.get(reason, 0))
+            yield decisions
 
 
 class RouterMetrics:

@@ -9,14 +9,17 @@ answer) and the request as a `RequestInfo`, and answers one replica's index:
 The router asks only when at least one replica is available (healthy and under its bound) and the
 answer must be an available one: refusing (503 when none is healthy, 429 when all are full) is the
 router's decision, not the policy's. Indices are stable, a replica keeps its index while it is down,
-so a policy may keep state per replica (the prefix policy will keep an index of the block hashes it
-sent to each). `choose` runs on the event loop, once per decision, and a policy's state changes only
-there; a retry after a replica refused or could not be reached is a new decision, with that replica
-unavailable.
+so a policy may keep state per replica. `choose` runs on the event loop, once per decision, and a
+policy's state changes only there; a retry after a replica refused or could not be reached is a new
+decision, with that replica unavailable.
 
-`RequestInfo.block_hashes` is where the prompt's chained block hashes (the prefix cache's keys,
-pagoda/core/block_hash.py) will travel once the router tokenizes prompts; until the prefix-aware
-policy is wired in, the name `prefix` routes by least_load (and says so in the log).
+Round robin, least load and power of two are small enough to be written here over the available
+replicas. `prefix` is the fleet's own policy from `pagoda.core.routing.PrefixAware` (the one the
+simulator's fleet runs, so that its predictions are about this code): a policy whose `reads_prompt`
+is true gets the prompt in `RequestInfo.prompt` (its rendered tokens, `cache_salt` and tenant, read
+by router/prompts.py as a replica reads them), and keys on the prompt's chained block hashes by the
+prefix cache's own function (pagoda/core/block_hash.py). The block size and each replica's index
+capacity (its pool's blocks) come from the replicas' /health.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagoda.core.engine_config import EngineConfig
+from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, POLICIES, PrefixAware, RouteRequest
+
 logger = logging.getLogger("pagoda.router")
 
-POLICIES = ("round_robin", "least_load", "prefix", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,14 @@ class RequestInfo:
     path: str
     protocol: str | None  # the endpoint's protocol name ("chat", "messages", ...); None for other routes
     body: bytes = b""  # the request body as the client sent it
-    block_hashes: tuple[int, ...] = ()  # the prompt's chained block hashes: empty until the router tokenizes
+    prompt: RouteRequest | None = None  # its rendered prompt and cache keys, for a policy that `reads_prompt`
 
 
 class Policy(Protocol):
     """Chooses a replica; see the module's note for the contract."""
 
     name: str
+    reads_prompt: bool  # whether the router must render the prompt (RequestInfo.prompt) before asking
 
     def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
         """The index of an available replica (the router asks only when there is one)."""
@@ -86,6 +92,7 @@ class RoundRobin:
     """Each replica in turn, skipping those unavailable: with all available, 0, 1, ..., N-1, 0, ..."""
 
     name = "round_robin"
+    reads_prompt = False
 
     def __init__(self) -> None:
         self._next = 0  # the index whose turn it is
@@ -101,6 +108,7 @@ class LeastLoad:
     """The available replica with the fewest requests in flight through this router, ties by index."""
 
     name = "least_load"
+    reads_prompt = False
 
     def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
         return least_in_flight(available(replicas))
@@ -110,6 +118,7 @@ class PowerOfTwo:
     """Two distinct available replicas drawn from a seeded RNG; the one with fewer in flight (ties: lower index)."""
 
     name = "power_of_two"
+    reads_prompt = False
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -121,8 +130,47 @@ class PowerOfTwo:
         return least_in_flight(self._rng.sample(candidates, 2))
 
 
-def make_policy(name: str, seed: int = 0) -> Policy:
-    """The named policy; ValueError for an unknown name. `prefix` is least_load until its live wiring lands."""
+class Prefix:
+    """The longest prefix the replica's index holds, balanced by thresholds (pagoda.core.routing.PrefixAware);
+    a request whose prompt the router could not read (not a generation route, or a body the replica will
+    refuse) goes to the least loaded, as a prompt with no match does."""
+
+    name = "prefix"
+    reads_prompt = True
+
+    def __init__(self, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.reasons: dict[str, int] = {}  # decisions by PrefixAware's reason ("match", "no_match", "balance")
+        self._inner: PrefixAware | None = None
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
+        candidates = [r.index for r in available(replicas)]
+        if request.prompt is None:
+            return least_in_flight([replicas[i] for i in candidates])
+        inner = self._index(replicas)
+        route = inner.route(request.prompt, [r.in_flight for r in replicas], candidates)
+        self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
+        return route.replica
+
+    def _index(self, replicas: Sequence[ReplicaState]) -> PrefixAware:
+        """The per-replica index, made at the first decision from what the replicas' /health says: their block
+        size (the prefix cache's unit) and the smallest pool (the index's capacity, per replica)."""
+        if self._inner is None:
+            said = [r.health for r in replicas if "kv_block_size" in r.health]
+            block_size = int(said[0]["kv_block_size"]) if said else EngineConfig.block_size
+            if len({int(h["kv_block_size"]) for h in said}) > 1:
+                logger.warning("replicas differ in KV block size; the prefix index keys on %d-token blocks", block_size)
+            pools = [int(r.health["kv_blocks_total"]) for r in replicas if "kv_blocks_total" in r.health]
+            self._inner = PrefixAware(len(replicas), block_size, min(pools) if pools else EngineConfig.num_blocks,
+                                      self.balance_abs_threshold, self.balance_rel_threshold)
+        return self._inner
+
+
+def make_policy(name: str, seed: int = 0, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> Policy:
+    """The named policy; ValueError for an unknown name."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
@@ -130,6 +178,5 @@ def make_policy(name: str, seed: int = 0) -> Policy:
     if name == "power_of_two":
         return PowerOfTwo(seed)
     if name == "prefix":
-        logger.warning("router policy 'prefix' is not wired into the live router yet: routing by least_load")
-        return LeastLoad()
+        return Prefix(balance_abs_threshold, balance_rel_threshold)
     raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")

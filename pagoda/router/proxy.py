@@ -4,7 +4,8 @@ Design note. One exchange, as raw ASGI (the router mounts it under Litestar):
 
 1. the request body is read whole (over `max_body_bytes`: 413), so that a policy may read it and a
    request a replica never took can go to another;
-2. with `--api-key`, a guarded path is checked by pagoda's own guard (401 in the path's shape);
+2. with `--api-key`, a guarded path is checked by pagoda's own guard (401 in the path's shape); for a
+   policy that keys on the prompt (`prefix`), the prompt is read (router/prompts.py);
 3. from here the exchange races its client (`race_client`): a task waits on `receive()` for
    `http.disconnect` while the forwarding runs. A client that leaves before its answer went out whole
    cancels the forwarding,
@@ -46,6 +47,7 @@ from pagoda.api.errors import api_error, error_response
 from pagoda.plugins.protocol import ApiError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policy import RequestInfo
+from pagoda.router.prompts import PromptReader
 from pagoda.router.replicas import Fleet, Refused, Replica
 from pagoda.router.routes import PathInfo, RouteTable
 from pagoda.router.settings import RouterSettings
@@ -68,8 +70,10 @@ class NotTaken(Exception):
 class Proxy:
     """The ASGI app the router mounts for every path it does not answer itself."""
 
-    def __init__(self, fleet: Fleet, table: RouteTable, metrics: RouterMetrics, settings: RouterSettings) -> None:
+    def __init__(self, fleet: Fleet, table: RouteTable, metrics: RouterMetrics, settings: RouterSettings,
+                 prompts: PromptReader | None = None) -> None:
         self.fleet = fleet
+        self.prompts = prompts  # reads each request's prompt, for a policy that keys on it
         self.table = table
         self.metrics = metrics
         self.max_body_bytes = settings.max_body_bytes
@@ -93,7 +97,8 @@ class Proxy:
             except NotAuthorizedException as exc:
                 await send_error(send, info, api_error(exc))
                 return
-        request = RequestInfo(scope["method"], path, info.protocol, body)
+        prompt = self.prompts.read(info.endpoint, body, scope) if self.prompts is not None else None
+        request = RequestInfo(scope["method"], path, info.protocol, body, prompt)
         target = raw_path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
         answer = AnswerWatch(send)
         forwarding = self._forward(scope, answer.send, info, request, target.decode("latin-1"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pagoda.router.policy import POLICIES
+from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, POLICIES
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,11 @@ class RouterSettings:
     """`pagoda router`'s options (pagoda/cli/router.py builds them from the command line)."""
 
     replicas: tuple[str, ...]  # base URLs, e.g. "http://10.0.0.2:8000"; a replica's index is its place here
-    policy: str = "prefix"  # one of POLICIES; "prefix" routes by least_load until its live wiring lands
+    policy: str = "prefix"  # one of POLICIES
+    model_dir: str | None = None  # the replicas' model directory: prefix reads prompts with its tokenizer (no weights)
+    tool_parser: str | None = "hermes"  # the replicas' --tool-parser, to render a prompt with tools as they do
+    balance_abs_threshold: int = BALANCE_ABS_THRESHOLD  # prefix: imbalanced when max - min in flight exceeds this
+    balance_rel_threshold: float = BALANCE_REL_THRESHOLD  # ... and max exceeds this times min
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # checked here as pagoda checks it, and forwarded with the request
@@ -38,6 +42,9 @@ class RouterSettings:
             raise ValueError(f"a replica is named twice: {', '.join(self.replicas)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown router policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance thresholds must be abs >= 0 and rel >= 1, got "
+                             f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")
         if self.max_queue_per_replica < 1:
             raise ValueError(f"max_queue_per_replica must be >= 1, got {self.max_queue_per_replica}")
         for name in ("health_interval", "health_timeout", "connect_timeout", "shutdown_timeout"):

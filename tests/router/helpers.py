@@ -21,6 +21,7 @@ import pytest
 
 from pagoda.api.server import BackgroundServer
 from pagoda.harness.live_server import LiveServer
+from pagoda.model.hub import resolve_model
 from pagoda.plugins.manager import load_plugins
 from pagoda.router.app import create_router_app
 from pagoda.router.replicas import Fleet
@@ -69,8 +70,9 @@ def live_router(replica_urls: Sequence[str], **settings: Any) -> Iterator[LiveRo
     """A router over these replicas with these RouterSettings fields; stopped on the way out.
 
     A /health that is merely slow (a loaded test machine) must not take a replica out of a test's rotation:
-    the health timeout is 30 s unless a test says otherwise (a replica that is down is refused at once)."""
-    settings = {"health_timeout": 30.0, **settings}
+    the health timeout is 30 s unless a test says otherwise (a replica that is down is refused at once). The
+    prefix policy reads prompts with the default model's tokenizer, which the tiny model shares."""
+    settings = {"health_timeout": 30.0, "model_dir": str(resolve_model("default", progress=False)), **settings}
     app = create_router_app(RouterSettings(tuple(replica_urls), **settings), plugins=load_plugins(PLUGINS_ENV))
     server = BackgroundServer(app).start()
     try:

@@ -13,6 +13,7 @@ import pytest
 
 from pagoda.cli.main import build_parser, main
 from pagoda.cli.router import router_settings
+from pagoda.model.hub import resolve_model
 from pagoda.router.settings import RouterSettings
 from tests.router.helpers import REPLICA_HEADER, replicas  # noqa: F401  (fixtures)
 
@@ -33,6 +34,11 @@ ROWS: dict[str, tuple[list[str], Callable[[RouterSettings], Any]]] = {
     "--max-body-bytes": (["--max-body-bytes", "1000"], lambda s: s.max_body_bytes == 1000),
     "--shutdown-timeout": (["--shutdown-timeout", "7"], lambda s: s.shutdown_timeout == 7),
     "--log-level": (["--log-level", "warning"], lambda s: s.log_level == "warning"),
+    "--model": (["--model", str(resolve_model("default", progress=False))],
+                lambda s: s.model_dir == str(resolve_model("default", progress=False))),
+    "--tool-parser": (["--tool-parser", "none"], lambda s: s.tool_parser is None),
+    "--balance-abs-threshold": (["--balance-abs-threshold", "3"], lambda s: s.balance_abs_threshold == 3),
+    "--balance-rel-threshold": (["--balance-rel-threshold", "2.5"], lambda s: s.balance_rel_threshold == 2.5),
 }
 
 
@@ -53,6 +59,7 @@ def test_every_option_has_a_row_and_the_defaults_are_the_contracts():
     assert options == set(ROWS)
     s = settings_of(BASE)
     assert (s.policy, s.host, s.port, s.api_key) == ("prefix", "127.0.0.1", 8000, None)
+    assert s.model_dir == str(resolve_model("default", progress=False)) and s.tool_parser == "hermes"
     assert settings_of(BASE, {"PAGODA_API_KEY": "from-env"}).api_key == "from-env"
 
 
@@ -61,6 +68,8 @@ def test_every_option_has_a_row_and_the_defaults_are_the_contracts():
     (["--replica", "http://a:1", "--replica", "http://a:1/"], "named twice"),
     ([*BASE, "--max-queue-per-replica", "0"], "max_queue_per_replica"),
     ([*BASE, "--health-interval", "0"], "health_interval"),
+    ([*BASE, "--model", "/no/such/model"], "is not 'default'"),
+    ([*BASE, "--balance-rel-threshold", "0.5"], "balance thresholds"),
 ])
 def test_bad_settings_are_refused_with_status_2(capsys, argv, message):
     assert main(["router", *argv]) == 2

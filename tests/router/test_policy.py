@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 
 import pytest
 
-from pagoda.router.policy import POLICIES, LeastLoad, PowerOfTwo, ReplicaState, RequestInfo, RoundRobin, make_policy
+from pagoda.core.routing import RouteRequest
+from pagoda.router.policy import (POLICIES, LeastLoad, PowerOfTwo, Prefix, ReplicaState, RequestInfo, RoundRobin,
+                                  make_policy)
 
 REQUEST = RequestInfo("POST", "/v1/chat/completions", "chat", b"{}")
 
@@ -54,10 +55,29 @@ def test_no_policy_picks_an_unavailable_replica(name):
             assert replicas[policy.choose(replicas, REQUEST)].available
 
 
-def test_prefix_routes_by_least_load_until_it_is_wired_in_and_says_so(caplog):
-    caplog.set_level(logging.WARNING, logger="pagoda.router")
-    policy = make_policy("prefix")
-    assert policy.name == "least_load" and policy.choose(states(1, 0), REQUEST) == 1
-    assert any("'prefix' is not wired" in r.getMessage() for r in caplog.records)
+def test_prefix_follows_the_cached_prefix_skips_what_is_unavailable_and_balances():
+    health = {"kv_block_size": 4, "kv_blocks_total": 64}
+    shared = RouteRequest(list(range(40)))
+    other = RouteRequest(list(range(100, 140)))
+
+    def at(*in_flight: int, down: tuple[int, ...] = ()) -> list[ReplicaState]:
+        return [ReplicaState(i, f"http://r{i}", i not in down, n, 64, health) for i, n in enumerate(in_flight)]
+
+    def ask(policy: Prefix, replicas: list[ReplicaState], prompt: RouteRequest | None) -> int:
+        return policy.choose(replicas, RequestInfo("POST", "/v1/chat/completions", "chat", b"{}", prompt))
+
+    policy = make_policy("prefix", balance_abs_threshold=4)
+    assert isinstance(policy, Prefix) and policy.reads_prompt
+    assert ask(policy, at(1, 0, 0), shared) == 1  # no match: the least loaded (ties: the emptier index)
+    assert ask(policy, at(0, 3, 0), shared) == 1  # the match, though it is busier
+    assert ask(policy, at(0, 3, 0), other) == 0  # another prefix, no match: the least loaded
+    assert ask(policy, at(0, 3, 0, down=(1,)), shared) == 2  # the match is down: the least loaded, emptier index
+    assert ask(policy, at(0, 9, 5), shared) == 0  # 9 - 0 > 4 and 9 > 1.5 * 0: balance wins over the match
+    assert ask(policy, at(0, 1, 0), None) == 0  # no prompt read: the least in flight
+    assert policy.reasons == {"no_match": 3, "match": 1, "balance": 1}
+    assert policy._index(at(0, 0, 0)).block_size == 4  # from the replicas' /health
+
+
+def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown router policy"):
         make_policy("random")

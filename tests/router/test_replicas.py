@@ -55,7 +55,7 @@ def test_health_sums_the_healthy_replicas_counters_and_lists_each_one(replicas):
         for name in summed:
             assert health[name] == own[0][name] + own[1][name], name
         assert health["kv_blocks_total"] == 2 * 64
-        assert health["policy"] == "least_load"  # the default, prefix, routes by least_load until it is wired in
+        assert health["policy"] == "prefix"  # the default
         assert [(e["url"], e["status"], e["in_flight"], e["max_in_flight"]) for e in health["replicas"]] == [
             (live.url, "ok", 0, 7) for live in replicas]
 

@@ -1,0 +1,58 @@
+"""What a prefix-aware router reads of a request: its rendered prompt tokens and the keys its cached blocks
+are shared under, read exactly as a replica reads them.
+
+Design note. The prefix cache keys on token blocks, not text, so the router renders a request as a replica
+does: the body is decoded strictly (pagoda.api.body) into the endpoint's own struct, and the endpoint's
+`prepare` (the same plugin code the replica runs) renders the chat template and tokenizes, with the model's
+tokenizer loaded here (no weights). The keys are the body's `cache_salt` and the tenant the presented key
+names (pagoda.api.auth.key_tenant, as the replica computes it). A body the replica will refuse, a path that is
+not a generation endpoint, or any failure to render gives no prompt: the policy then balances by load alone,
+and the replica answers the request as it would have anyway. For a request with several prompts (a
+completions batch, `n` > 1) the first prompt decides.
+
+Rendering runs on the router's event loop: a chat prompt of a few thousand tokens takes about a millisecond
+to template and tokenize, against the tens to hundreds of milliseconds a replica spends on its prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.types import Scope
+
+from pagoda.api.auth import key_tenant
+from pagoda.api.body import decode_body
+from pagoda.core.routing import RouteRequest
+from pagoda.core.tokenizer import Tokenizer
+from pagoda.plugins.protocol import Endpoint, EngineRequest, ServeContext
+from pagoda.plugins.tools import ToolParser
+
+logger = logging.getLogger("pagoda.router")
+
+UNBOUNDED = 1 << 40  # the router enforces no context or pool limit: the replica does, with its own numbers
+
+
+class PromptReader:
+    """Reads `RouteRequest`s from request bodies with one model's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, api_key: str | None = None, tool_parser: ToolParser | None = None) -> None:
+        self.context = ServeContext(tokenizer=tokenizer, model_name="", max_model_len=UNBOUNDED,
+                                    max_kv_tokens=UNBOUNDED, tool_parser=tool_parser)
+        self.api_key = api_key
+
+    def read(self, endpoint: Endpoint | None, body: bytes, scope: Scope) -> RouteRequest | None:
+        """The request's first prompt and its cache keys; None when the router cannot tell them."""
+        if endpoint is None:
+            return None
+        try:
+            headers = dict(scope.get("headers") or [])
+            content_type = headers.get(b"content-type", b"application/json").decode("latin-1")
+            prepared: Any = endpoint.prepare(decode_body(endpoint.body_type, body, content_type), self.context)
+            first: EngineRequest = prepared if isinstance(prepared, EngineRequest) else prepared[0]
+        except Exception as exc:  # the replica will answer it (most often its 4xx): routing by load is enough
+            logger.debug("no prompt read for %s: %s: %s", endpoint.path, type(exc).__name__, exc)
+            return None
+        tenant = key_tenant(ASGIConnection(scope), self.api_key)
+        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant)
