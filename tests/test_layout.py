@@ -34,7 +34,7 @@ ALLOWED = {
 }
 # Modules that must import without torch: the simulator drives the first, any plugin loads the second.
 TORCH_FREE = ["core/request.py", "core/block_manager.py", "core/block_hash.py", "core/scheduler.py",
-              "core/batch.py", "core/engine_config.py", "core/outputs.py", "core/sampling_params.py",
+              "core/batch.py", "core/engine_config.py", "core/scheduling.py", "core/outputs.py", "core/sampling_params.py",
               "core/constraint.py", "core/routing.py", "plugins/protocol.py", "plugins/request_fields.py",
               "plugins/hookspecs.py", "plugins/manager.py", "plugins/client.py", "plugins/route.py",
               "plugins/disconnect.py", "plugins/tools.py", "plugins/tool_stream.py", "plugins/tool_render.py",

@@ -9,13 +9,15 @@ import sys
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import configure_threads
 from pagoda.core.routing import BALANCE_REL_THRESHOLD, POLICIES
+from pagoda.core.scheduling import BUILTIN_POLICIES
 from pagoda.simulator.crowd import (
-    ClientPlan, agent_crowd, chat_crowd, crowd_to_json, load_crowd, mixed_crowd, shared_prefix_crowd,
+    ClientPlan, agent_crowd, chat_crowd, crowd_to_json, load_crowd, mixed_crowd, noisy_neighbour_crowd,
+    shared_prefix_crowd,
 )
 from pagoda.simulator.fleet import FleetConfig, FleetReport, simulate_fleet
 from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
 
-SHAPES = ("mixed", "shared-prefix", "chat", "agent")
+SHAPES = ("mixed", "shared-prefix", "chat", "agent", "noisy-neighbour")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--crowd", help="replay a crowd saved as JSON instead of generating one")
     p.add_argument("--crowd-shape", choices=SHAPES, default="mixed",
                    help="the generated crowd: mixed (the default), one shared system prompt, multi-turn chats "
-                        "(3 turns each) or agents (3 steps each, behind one of 2 tool preambles)")
+                        "(3 turns each), agents (3 steps each, behind one of 2 tool preambles) or noisy-neighbour "
+                        "(tenant A: 64 closed-loop streams of 8 turns; tenant B: one stream of 8 turns; "
+                        "--clients is ignored)")
+    p.add_argument("--policy", default=EngineConfig.scheduling_policy, choices=tuple(BUILTIN_POLICIES),
+                   help="the scheduling policy (default fcfs); a crowd's plans may carry tenant, priority and weight")
     p.add_argument("--arrival-rate", type=float,
                    help="new clients (first turns) per virtual second; default: the shape's own spacing")
     p.add_argument("--replicas", type=int, default=1, help="engines behind a simulated router (default 1: no router)")
@@ -64,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.policy,
     )
     config = SimulationConfig(engine=engine, model_seed=args.seed)
     if args.replicas == 1 and args.router is None:
@@ -95,6 +102,8 @@ def make_crowd(shape: str, seed: int, clients: int, hangup_fraction: float, rate
     if shape == "shared-prefix":
         gap = {} if rate is None else {"arrival_gap": 1 / rate}
         return shared_prefix_crowd(seed, clients=clients, **gap)
+    if shape == "noisy-neighbour":
+        return noisy_neighbour_crowd(seed)
     sessions = -(-clients // 3)
     window = {} if rate is None else {"arrival_window": sessions / rate}
     if shape == "chat":

@@ -120,12 +120,14 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
         *, on_admitted: Callable[[], None] | None = None, cache_salt: str | None = None, tenant: str | None = None,
+        priority: int = 0, weight: float = 1.0,
     ) -> AsyncIterator[AnswerDelta]:
         """Queue a request and yield its outputs as the engine makes them; the last one is finished.
 
         Admission errors (AdmissionError, ValueError) are raised before the first output;
         `on_admitted` is called once the engine has accepted the request (before its prefill).
         `cache_salt` and `tenant` key the prefix cache (Engine.add_request): blocks are shared only under equal ones.
+        `tenant`, `priority` and `weight` are what the scheduling policy orders by (core/scheduling.py).
         A failed model step raises GenerationError; a server-side abort raises RequestAborted.
         """
         request_id = request_id or uuid.uuid4().hex
@@ -134,7 +136,7 @@ class AsyncEngine:
         if sampling_params.constraint is not None:  # compiled on the grammar pool, never on the loop thread;
             # shielded: the compile may be shared with other requests, a caller leaving must not cancel it
             await asyncio.shield(asyncio.wrap_future(self.engine.compile_constraint(sampling_params.constraint)))
-        keys = {"cache_salt": cache_salt, "tenant": tenant}
+        keys = {"cache_salt": cache_salt, "tenant": tenant, "priority": priority, "weight": weight}
         admitted = self._submit(lambda: self._add(request_id, prompt, sampling_params, sink, keys), answer=True)
         finished = False
         try:
@@ -158,7 +160,7 @@ class AsyncEngine:
                 self._submit_quietly(lambda: self._abort(request_id))
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink,
-             keys: dict[str, str | None]) -> None:
+             keys: dict[str, Any]) -> None:
         self.engine.add_request(request_id, prompt, params, **keys)  # raises for a request it refuses
         self._sinks[request_id] = sink
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from pagoda.core.request import FinishReason, Request, RequestStatus
 from pagoda.core.sampler import Sampler
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduling import SchedulingPolicy, make_policy
 
 logger = logging.getLogger("pagoda.engine")
 _COMPILE_WAIT_S = 0.05  # how long an idle step waits for a compiling grammar before returning
@@ -50,6 +51,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         tokenizer: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        policies: Mapping[str, Callable[[], SchedulingPolicy]] | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -57,7 +59,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.clock = clock  # arrival and the queue/prefill/decode stamps (the simulator's is virtual)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, runner.row_multiple)
+        # config.scheduling_policy looked up in `policies` (the plugins'; None: the built-in ones)
+        policy = make_policy(config.scheduling_policy, policies)
+        self.scheduler = Scheduler(config, self.block_manager, runner.row_multiple, policy=policy)
         self.speculation = self.scheduler.speculation  # what runs: the setting and the runner's row multiple
         self.sampler = Sampler()
         self.counters = EngineCounters()
@@ -73,15 +77,20 @@ class Engine:
     # -- requests in and out -------------------------------------------
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None,
-        *, cache_salt: str | None = None, tenant: str | None = None,
+        *, cache_salt: str | None = None, tenant: str | None = None, priority: int = 0, weight: float = 1.0,
     ) -> Request:
         """Queue a request; raises AdmissionError (or ValueError) for one that can never be served.
 
         Cached prefix blocks are shared only between requests with equal `cache_salt` and `tenant`.
+        `priority` (lower runs first) and `weight` (its tenant's share) are read by the scheduling policy.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already live")
         self._check_token_ids(prompt_token_ids, sampling_params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight < float("inf"):
+            raise ValueError(f"weight must be a positive number, got {weight!r}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         request = Request(
@@ -91,6 +100,8 @@ class Engine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
             tenant=tenant,
+            priority=priority,
+            weight=weight,
         )
         self._admit(request)
         if self.tokenizer is not None:
@@ -296,6 +307,7 @@ class Engine:
             "running": scheduler.num_running,
             "waiting": scheduler.num_waiting,
             "kv_blocks_total": pool.num_blocks,
+            "kv_block_size": pool.block_size,
             "kv_blocks_free": pool.num_free_blocks,
             "kv_blocks_cached_free": pool.num_cached_free_blocks,
             "preemptions_total": scheduler.num_preemptions,

@@ -66,6 +66,8 @@ class EngineConfig:
     # n-gram drafts for greedy requests, in the rows the runner's padding would waste (by default never a bigger
     # step); None = off. Whether they can run also depends on the runner's row multiple: Scheduler.speculation.
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
+    # who is admitted, gets the step's tokens and is preempted: a registered SchedulingPolicy's name (core/scheduling.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
@@ -77,6 +79,8 @@ class EngineConfig:
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)
                                              or self.max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
+        if not isinstance(self.scheduling_policy, str) or not self.scheduling_policy:
+            raise ValueError(f"scheduling_policy must be a policy's name, got {self.scheduling_policy!r}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
 

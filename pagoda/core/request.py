@@ -50,7 +50,9 @@ class Request:
     # equal), the chain of full-block hashes (kept across preemption: tokens never change), and the
     # prompt tokens found in the cache when the request was first scheduled (usage's cached_tokens).
     cache_salt: str | None = None
-    tenant: str | None = None
+    tenant: str | None = None  # who the request is for: the fair policy's unit (None is one tenant)
+    priority: int = 0  # the priority policy's order: lower runs first (vLLM's meaning)
+    weight: float = 1.0  # the tenant's weight under the fair policy: its share of slots and tokens
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     # Opaque per-request sampling state (a torch.Generator), owned by the sampler.

@@ -30,6 +30,12 @@ n-gram drafts (core/speculative.py) in the rows the runner would pad anyway
 extra rows the setting allows (none by default, so a step never grows); their
 slots are allocated like any tokens, and a draft never preempts or waits for
 a block. `self.speculation` is what the setting and the runner leave running.
+Policy. The order of admission, each request's share of the step's budget and the
+choice of whom to preempt are asked of a SchedulingPolicy (core/scheduling.py);
+the default, fcfs, is the schedule described above. A policy may also preempt
+running requests so that waiting ones it prefers can run (`rebalance`); those
+are preempted before the running requests are scheduled, and unlike a preemption
+for blocks they do not stop admission in that step.
 No torch here.
 """
 
@@ -43,6 +49,7 @@ from pagoda.core.batch import ScheduledChunk, SchedulerOutput
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import Request, RequestStatus
+from pagoda.core.scheduling import SchedulingPolicy
 
 
 class AdmissionError(ValueError):
@@ -62,9 +69,11 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, row_multiple: int = 1) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, row_multiple: int = 1,
+                 policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.policy = policy if policy is not None else SchedulingPolicy()  # fcfs
         self.row_multiple = row_multiple  # the runner's: drafts go into the rows it pads with
         self.speculation = speculative.in_force(config.speculative, row_multiple)
         self.waiting: deque[Request] = deque()
@@ -98,7 +107,7 @@ class Scheduler:
         if limit is not None and len(self.waiting) >= limit:  # preempted requests re-enter without this check
             raise QueueFull(f"the server is busy: {len(self.waiting)} requests are already waiting (max {limit})")
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     # -- one step ------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -108,9 +117,15 @@ class Scheduler:
         preempted: list[str] = []
         for request in self.running:  # the blocks the last step computed join the cache
             self.block_manager.cache_blocks(request)
+        self.policy.start_step(self.running, self.waiting, budget, self.config.max_running)
+        rebalanced = self.policy.rebalance(self.running, self.waiting, self.config.max_running)  # fcfs: none
+        for victim in rebalanced:
+            self._preempt(victim)
         budget = self._schedule_running(budget, chunks, preempted)
-        if not preempted:  # admitting new work while evicting would only thrash
+        if not preempted:  # admitting new work while evicting for blocks would only thrash
             budget = self._schedule_waiting(budget, chunks)
+        if rebalanced:
+            preempted = [v.request_id for v in rebalanced] + preempted
         self._add_drafts(chunks, budget)
         self.peak_running = max(self.peak_running, len(self.running))
         assert len(self.running) <= self.config.max_running
@@ -118,13 +133,16 @@ class Scheduler:
         return SchedulerOutput(chunks=chunks, block_size=self.block_manager.block_size, preempted_ids=preempted)
 
     def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]) -> int:
-        i = 0
+        i, policy = 0, self.policy
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = policy.grant(request, request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # its share of this step is spent: it waits, keeping its blocks
+                i += 1
+                continue
             end = request.num_computed_tokens + num_new
             while not self.block_manager.can_allocate(request.request_id, end):
-                victim = self.running[-1]  # newest first
+                victim = policy.victim(self.running[i:], self.running)  # fcfs: the newest
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -135,16 +153,21 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        bm = self.block_manager
+        bm, policy = self.block_manager, self.policy
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            request = self.waiting[0]
+            request = policy.next_waiting(self.waiting, self.running)  # fcfs: the head of the queue
+            if request is None:
+                break
             assert request.num_computed_tokens == 0, f"waiting request {request.request_id!r} has computed tokens"
             hits = bm.cached_prefix(request)  # never covers the last token: num_new >= 1
             num_cached = len(hits) * bm.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = policy.grant(request, request.num_tokens - num_cached, budget)
             if not bm.can_allocate(request.request_id, num_cached + num_new, hits):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the request the policy chose (fcfs: the head of the queue)
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                _remove_identical(self.waiting, request)
             self._count_prefix_hit(request, num_cached)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -197,7 +220,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.policy.requeue(self.waiting, request)
 
     # -- leaving -------------------------------------------------------
     def remove(self, request: Request) -> None:

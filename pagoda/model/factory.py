@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
 from pagoda.core.machine import configure_threads
+from pagoda.core.scheduling import SchedulingPolicy, make_policy
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.distributed.group import SOLO, TensorGroup
 from pagoda.model.ranks import ParallelOptions, Ranks, WorkerSpec, group_size
@@ -69,6 +71,10 @@ class EngineOptions:
     # the architecture plugins the model is looked up in (pagoda serve's: built-in and installed, less the disabled
     # ones); None: the built-in families. Picklable, so a spawned rank loads its shard through the same plugin.
     architectures: Architectures | None = None
+    # --scheduling-policy: a policy's name, looked up in `scheduling_policies` (the plugins' classes, by name;
+    # None: the built-in ones). Only rank 0 schedules, but the classes are module-level, so the options pickle.
+    scheduling_policy: str = EngineConfig.scheduling_policy
+    scheduling_policies: Mapping[str, type[SchedulingPolicy]] | None = None
 
     @property
     def parallel(self) -> ParallelOptions:
@@ -89,16 +95,19 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        make_policy(self.scheduling_policy, self.scheduling_policies)  # an unknown name is refused now
 
 
 def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (),
                 tokenizer: Tokenizer | None = None, backend: AttentionBackend | None = None,
-                ranks: Ranks | None = None) -> Engine:
-    """An Engine over a built model, its runner's KV pool sized by `config` (on the group of `ranks`, if given)."""
+                ranks: Ranks | None = None,
+                policies: Mapping[str, type[SchedulingPolicy]] | None = None) -> Engine:
+    """An Engine over a built model, its runner's KV pool sized by `config` (on the group of `ranks`, if given);
+    `config.scheduling_policy` is looked up in `policies` (None: the built-in ones)."""
     configure_threads()
     runner = (TorchModelRunner(model, config, backend=backend) if ranks is None
               else TensorParallelRunner(model, config, ranks, backend=backend))
-    engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+    engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, policies=policies)
     logger.info("speculative decoding %s", engine.speculation.reason)
     return engine
 
@@ -113,7 +122,7 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
     return EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
                         max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
                         enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
-                        speculative=options.speculative)
+                        speculative=options.speculative, scheduling_policy=options.scheduling_policy)
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
@@ -136,7 +145,8 @@ def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -
         model = load_shard(model_dir, options, ranks.group if ranks else SOLO, 0 if ranks else None)
         kv_dtype = next(model.parameters()).dtype  # the KV cache's: float32 under CPU bfloat16 weights
         config = engine_config(options, model_config, kv_dtype, device)
-        engine = make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer, ranks=ranks)
+        engine = make_engine(model, config, eos_token_ids=eos, tokenizer=tokenizer, ranks=ranks,
+                             policies=options.scheduling_policies)
     except BaseException:
         if ranks is not None:
             ranks.close()

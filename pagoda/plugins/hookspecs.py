@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pluggy import HookimplMarker, HookspecMarker
 
 if TYPE_CHECKING:
+    from pagoda.core.scheduling import SchedulingPolicy
     from pagoda.plugins.architecture import Architecture
     from pagoda.plugins.disconnect import DisconnectPolicy
     from pagoda.plugins.protocol import Endpoint
@@ -54,6 +55,11 @@ def pagoda_register_tool_parsers(register: Callable[[ToolParser], None]) -> None
 @hookspec
 def pagoda_register_architectures(register: Callable[[Architecture], None]) -> None:
     """Register model architectures (a family's config parsing, module, weight names and GGUF layout)."""
+
+
+@hookspec
+def pagoda_register_scheduling_policies(register: Callable[[type[SchedulingPolicy]], None]) -> None:
+    """Register scheduling policy classes (pagoda.core.scheduling; chosen by --scheduling-policy by their `name`)."""
 
 
 @hookspec

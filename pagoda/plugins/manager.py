@@ -35,6 +35,7 @@ from typing import Any
 
 import pluggy
 
+from pagoda.core.scheduling import SchedulingPolicy
 from pagoda.plugins import hookspecs
 from pagoda.plugins.architecture import Architecture
 from pagoda.plugins.disconnect import DisconnectPolicy
@@ -54,6 +55,7 @@ BUILTIN_PLUGINS = {
     "tokenize": "pagoda.plugins.builtin.tokenize",  # POST /tokenize, /detokenize
     "chat_page": "pagoda.plugins.builtin.chat_page",  # GET /
     "tool_parsers": "pagoda.plugins.builtin.tool_parsers",  # hermes, llama3_json
+    "scheduling_policies": "pagoda.plugins.builtin.scheduling_policies",  # fcfs, priority, fair
     # model architectures: each family a plugin in the model room, built from pagoda's layers
     "llama": "pagoda.model.families.llama",  # LlamaForCausalLM
     "mistral": "pagoda.model.families.mistral",  # MistralForCausalLM
@@ -180,6 +182,10 @@ def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
         impl.function(register=archs.append)
         found.setdefault(impl.plugin_name, []).extend(
             f"architecture {a.name!r} ({', '.join(a.hf_architectures)})" for a in archs)
+    for impl in pm.hook.pagoda_register_scheduling_policies.get_hookimpls():
+        classes: list[type[SchedulingPolicy]] = []
+        impl.function(register=classes.append)
+        found.setdefault(impl.plugin_name, []).extend(f"scheduling policy {c.name!r}" for c in classes)
     for impl in pm.hook.pagoda_model_card.get_hookimpls():
         fields = impl.function(model=ServedModel(name="model", created=0, max_model_len=0)) or {}
         found.setdefault(impl.plugin_name, []).append(f"model card fields: {', '.join(fields)}")
@@ -209,6 +215,14 @@ def collect_tool_parsers(pm: pluggy.PluginManager) -> dict[str, ToolParser]:
     pm.hook.pagoda_register_tool_parsers(register=parsers.append)
     _check_unique(parsers, "name", "tool parsers")
     return {p.name: p for p in parsers}
+
+
+def collect_scheduling_policies(pm: pluggy.PluginManager) -> dict[str, type[SchedulingPolicy]]:
+    """Every scheduling policy class the plugins register, by name; two with one name is an error."""
+    classes: list[type[SchedulingPolicy]] = []
+    pm.hook.pagoda_register_scheduling_policies(register=classes.append)
+    _check_unique(classes, "name", "scheduling policies")
+    return {c.name: c for c in classes}
 
 
 def collect_architectures(pm: pluggy.PluginManager) -> list[Architecture]:

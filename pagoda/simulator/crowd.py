@@ -43,7 +43,9 @@ class ClientPlan:
     hangup_after: float | None = None  # seconds after arrival; None = stays
     after: str | None = None  # a follow-up of this client: `arrival` counts from when it left
     cache_salt: str | None = None  # prefix-cache keys: blocks are shared only under equal ones
-    tenant: str | None = None
+    tenant: str | None = None  # who the client is for: the fair scheduling policy's unit
+    priority: int = 0  # the priority policy's order: lower runs first
+    weight: float = 1.0  # its tenant's weight under the fair policy
     json_schema: str | None = None  # live runs: the answer must be JSON valid against this schema (its JSON text)
 
     def __post_init__(self) -> None:
@@ -53,6 +55,10 @@ class ClientPlan:
             raise ValueError(f"protocol must be an endpoint's protocol name, got {self.protocol!r}")
         if self.hangup_after is not None and self.hangup_after < 0:
             raise ValueError(f"hangup_after must be >= 0, got {self.hangup_after}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
+            raise ValueError(f"weight must be a positive number, got {self.weight!r}")
         self.sampling_params()  # validate the sampling fields now
 
     def sampling_params(self) -> SamplingParams:
@@ -164,6 +170,28 @@ def agent_crowd(
                 prompt=preamble + new if s == 0 else new, max_tokens=rng.randint(1, max_tokens), ignore_eos=True,
                 after=f"agent{a:03d}-s{s - 1}" if s else None,
             ))
+    return plans
+
+
+def noisy_neighbour_crowd(
+    seed: int, streams: int = 64, turns: int = 8, neighbour_turns: int = 8, prompt_len: int = 8,
+    max_tokens: int = 16, weights: tuple[float, float] = (1.0, 1.0), vocab_size: int = 256,
+) -> list[ClientPlan]:
+    """Tenant "A" keeps `streams` streams open in closed loops (each stream's next request is sent the moment its
+    last ends, `turns` requests per stream); tenant "B" sends one request at a time (`neighbour_turns` of them).
+    Each stream is a chat (a follow-up's prompt is the last prompt, its answer and a new message); answers ignore
+    EOS. Each turn has its own cache salt, so it computes its whole prompt as its solo rerun does: the TTFT alone
+    (`tenants[...]["ttft_alone_p50"]`) compares like with like."""
+    rng = random.Random(seed)
+    plans = []
+    for name, num_streams, num_turns, weight in (("A", streams, turns, weights[0]), ("B", 1, neighbour_turns, weights[1])):
+        for s in range(num_streams):
+            for t in range(num_turns):
+                plans.append(ClientPlan(
+                    client_id=f"{name}{s:03d}-t{t:03d}", arrival=0.0, prompt=_tokens(rng, prompt_len, vocab_size),
+                    max_tokens=max_tokens, ignore_eos=True, tenant=name, weight=weight, cache_salt=f"{name}{s:03d}-t{t:03d}",
+                    after=f"{name}{s:03d}-t{t - 1:03d}" if t else None,
+                ))
     return plans
 
 

@@ -47,6 +47,8 @@ class ClientResult:
     matches_solo: bool | None = None
     error: str | None = None
     steps_to_release: int | None = None  # hung-up clients: steps until their blocks were back
+    tenant: str | None = None
+    solo_ttft: float | None = None  # completed clients: the TTFT of its solo rerun (its TTFT alone)
 
 
 @dataclass
@@ -73,6 +75,9 @@ class SimulationReport:
     wall_seconds: float
     wall_us_per_step: float  # wall time over every step taken (crowd pass and solo reruns), events and audits included
     max_steps_to_release: int
+    # per tenant ("default" for None): {"clients", "completed", "ttft_p50", "ttft_alone_p50", "generated_tokens",
+    # "share_while_active"}: its generated tokens over everyone's, in the steps it had a request in flight
+    tenants: dict[str, dict]
     results: list[ClientResult]
 
     @property
@@ -120,6 +125,7 @@ def simulate(plans: list[ClientPlan], config: SimulationConfig | None = None, ch
         wall_seconds=round(wall, 3),
         wall_us_per_step=round(1e6 * wall / max(1, run.steps + solo_steps), 1),
         max_steps_to_release=max((r.steps_to_release or 0 for r in results), default=0),
+        tenants=tenant_summary(results, run.activity),
         results=results,
     )
 
@@ -134,9 +140,56 @@ def check_against_solo(results: Iterable[ClientResult], sent_plan: Callable[[str
             solo = _CrowdRun([sent_plan(result.client_id).alone()], config)
             solo.run()
             solo_steps += solo.steps
+            result.solo_ttft = solo.results[result.client_id].ttft
             result.matches_solo = solo.results[result.client_id].output_token_ids == result.output_token_ids
             matches = matches and result.matches_solo
     return matches, solo_steps
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return round(values[len(values) // 2], 6) if values else None
+
+
+def tenant_summary(results: Iterable[ClientResult], activity: TenantActivity | None) -> dict[str, dict]:
+    """Each tenant's clients, TTFT p50 (in the crowd and alone), generated tokens and share while active."""
+    by_tenant: dict[str | None, list[ClientResult]] = {}
+    for r in results:
+        by_tenant.setdefault(r.tenant, []).append(r)
+    out = {}
+    for tenant, group in by_tenant.items():
+        done = [r for r in group if r.status == "completed"]
+        out["default" if tenant is None else tenant] = {
+            "clients": len(group),
+            "completed": len(done),
+            "ttft_p50": _median([r.ttft for r in done if r.ttft is not None]),
+            "ttft_alone_p50": _median([r.solo_ttft for r in done if r.solo_ttft is not None]),
+            "generated_tokens": sum(len(r.output_token_ids) for r in group),
+            "share_while_active": activity.share(tenant) if activity is not None else None,
+        }
+    return out
+
+
+class TenantActivity:
+    """Who had a request in flight (arrived, not yet left) in each step, and the tokens each step generated."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str | None, int] = {}
+        self.own: dict[str | None, int] = {}  # tokens a tenant generated in the steps it was active
+        self.everyone: dict[str | None, int] = {}  # tokens every tenant generated in those steps
+
+    def count_step(self, active: list[str | None], tokens: dict[str | None, int]) -> None:
+        total = sum(tokens.values())
+        for tenant in active:
+            self.own[tenant] = self.own.get(tenant, 0) + tokens.get(tenant, 0)
+            self.everyone[tenant] = self.everyone.get(tenant, 0) + total
+
+    def active(self) -> list[str | None]:
+        return [t for t, n in self.in_flight.items() if n > 0]
+
+    def share(self, tenant: str | None) -> float | None:
+        everyone = self.everyone.get(tenant, 0)
+        return round(self.own.get(tenant, 0) / everyone, 4) if everyone else None
 
 
 class _CrowdRun:
@@ -150,7 +203,8 @@ class _CrowdRun:
         runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
         self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,),
                              clock=lambda: self.clock.now)
-        self.results = {p.client_id: ClientResult(p.client_id) for p in plans}
+        self.results = {p.client_id: ClientResult(p.client_id, tenant=p.tenant) for p in plans}
+        self.activity = TenantActivity()
         self.prompts: dict[str, list[int]] = {}  # the prompt each client that arrived was sent
         self.arrived_at: dict[str, float] = {}
         self.followers: dict[str, list[ClientPlan]] = {}
@@ -171,6 +225,8 @@ class _CrowdRun:
 
     def _left(self, client_id: str) -> None:
         """The client is gone (completed, failed, hung up or refused): its follow-ups set out."""
+        tenant = self.plans[client_id].tenant
+        self.activity.in_flight[tenant] -= 1
         for plan in self.followers.pop(client_id, []):
             self._expect(plan, self.clock.now + plan.arrival)
 
@@ -210,9 +266,11 @@ class _CrowdRun:
             prompt = self.prompts[plan.after] + self.results[plan.after].output_token_ids + prompt
         self.prompts[plan.client_id] = prompt
         self.arrived_at[plan.client_id] = self.clock.now
+        self.activity.in_flight[plan.tenant] = self.activity.in_flight.get(plan.tenant, 0) + 1
         try:
             self.engine.add_request(plan.client_id, prompt, plan.sampling_params(), arrival_time=self.clock.now,
-                                    cache_salt=plan.cache_salt, tenant=plan.tenant)
+                                    cache_salt=plan.cache_salt, tenant=plan.tenant, priority=plan.priority,
+                                    weight=plan.weight)
         except AdmissionError as exc:
             result.status, result.error = "refused", str(exc)
             self._left(plan.client_id)
@@ -221,9 +279,11 @@ class _CrowdRun:
         self.steps += 1
         if self.steps > self.config.max_steps:
             raise RuntimeError(f"crowd did not drain in {self.config.max_steps} steps")
+        active, tokens = self.activity.active(), {}
         for out in self.engine.step():
             result = self.results[out.request_id]
             if out.new_token_ids and result.status == "pending":
+                tokens[result.tenant] = tokens.get(result.tenant, 0) + len(out.new_token_ids)
                 result.output_token_ids += out.new_token_ids
                 if result.ttft is None:
                     result.ttft = round(self.clock.now - self.arrived_at[out.request_id], 6)
@@ -232,6 +292,7 @@ class _CrowdRun:
                 result.finish_reason = out.finish_reason.value
                 result.e2e = round(self.clock.now - self.arrived_at[out.request_id], 6)
                 self._left(out.request_id)
+        self.activity.count_step(active, tokens)
         for client_id in list(self.releasing):
             self.releasing[client_id] += 1
             if not self.engine.block_manager.block_table(client_id):

@@ -1,0 +1,158 @@
+"""The scheduling policies (core/scheduling.py): each one's order, token shares and preemption choice, audited."""
+
+from collections import deque
+
+import pytest
+
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.engine_config import EngineConfig
+from pagoda.core.request import Request
+from pagoda.core.sampling_params import SamplingParams
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduling import (
+    BUILTIN_POLICIES, FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy, water_fill,
+)
+
+
+def make(policy=None, num_blocks=256, block_size=4, max_running=4, max_batched_tokens=64):
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
+                          max_batched_tokens=max_batched_tokens, max_model_len=256, speculative=None)
+    return Scheduler(config, BlockManager(num_blocks, block_size, True), policy=policy)
+
+
+def req(rid, prompt_len=4, max_tokens=4, tenant=None, priority=0, weight=1.0, arrival=0.0):
+    prompt = [hash((rid, i)) % 200 + 1 for i in range(prompt_len)]  # distinct prompts: no prefix sharing
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=arrival, tenant=tenant,
+                   priority=priority, weight=weight)
+
+
+def step(s):
+    """One schedule, then what the runner and engine would do: tokens computed, one sampled, finished ones out."""
+    batch = s.schedule()
+    for chunk in batch.chunks:
+        chunk.request.num_computed_tokens = chunk.end
+        if chunk.samples:
+            chunk.request.output_token_ids.append(7)
+            if chunk.request.num_output_tokens >= chunk.request.sampling_params.max_tokens:
+                s.remove(chunk.request)
+    s.audit()
+    return batch
+
+
+def running_by_tenant(s):
+    counts = {}
+    for r in s.running:
+        counts[r.tenant] = counts.get(r.tenant, 0) + 1
+    return counts
+
+
+def test_the_builtin_names_and_an_unknown_name_refused():
+    assert set(BUILTIN_POLICIES) == {"fcfs", "priority", "fair"}
+    assert isinstance(make_policy("fair"), FairPolicy)
+    assert make_policy("fair") is not make_policy("fair")  # each scheduler gets its own state
+    with pytest.raises(ValueError, match="choose one of fair, fcfs, priority"):
+        make_policy("lottery")
+
+
+def test_fcfs_is_the_default_and_admits_in_arrival_order():
+    s = make()
+    assert type(s.policy) is SchedulingPolicy and s.policy.name == "fcfs"
+    for i in range(6):
+        s.add(req(f"r{i}", priority=5 - i))  # priorities are ignored
+    step(s)
+    assert [r.request_id for r in s.running] == ["r0", "r1", "r2", "r3"]
+
+
+def test_priority_admits_lower_numbers_first_and_ties_by_arrival():
+    s = make(PriorityPolicy(), max_running=3)
+    for rid, priority in (("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", 2)):
+        s.add(req(rid, priority=priority))
+    assert [r.request_id for r in s.waiting] == ["b", "d", "c", "a", "e"]
+    step(s)
+    assert [r.request_id for r in s.running] == ["b", "d", "c"]
+
+
+def test_priority_preempts_the_lowest_priority_newest_for_a_better_arrival():
+    s = make(PriorityPolicy(), max_running=3)
+    for rid, priority in (("a", 1), ("b", 3), ("c", 3)):
+        s.add(req(rid, priority=priority, max_tokens=20))
+    step(s)
+    s.add(req("urgent", priority=0, max_tokens=20))
+    batch = step(s)
+    assert batch.preempted_ids == ["c"]  # priority 3, and newer than b
+    assert {r.request_id for r in s.running} == {"a", "b", "urgent"}
+    assert s.waiting[0].request_id == "c"  # at the front of its priority class
+    s.add(req("late", priority=3))
+    assert [r.request_id for r in s.waiting] == ["c", "late"]
+
+
+def test_priority_victim_for_blocks_is_the_lowest_priority_newest():
+    policy = PriorityPolicy()
+    rs = [req("x", priority=1), req("y", priority=4), req("z", priority=4), req("w", priority=2)]
+    assert policy.victim(rs, rs).request_id == "z"
+
+
+def test_water_fill_gives_min_of_demand_and_weighted_share():
+    assert water_fill(100, {"a": 1000, "b": 1000}, {"a": 1.0, "b": 1.0}) == {"a": 50, "b": 50}
+    assert water_fill(100, {"a": 1000, "b": 10}, {"a": 1.0, "b": 1.0}) == {"a": 90, "b": 10}
+    assert water_fill(100, {"a": 1000, "b": 1000}, {"a": 3.0, "b": 1.0}) == {"a": 75, "b": 25}
+    grants = water_fill(10, {"a": 9, "b": 9, "c": 9}, {"a": 1.0, "b": 1.0, "c": 1.0})
+    assert sum(grants.values()) == 10 and min(grants.values()) == 3
+
+
+@pytest.mark.parametrize("weights, expected", [((1.0, 1.0), {"A": 2, "B": 2}), ((3.0, 1.0), {"A": 3, "B": 1})])
+def test_fair_shares_slots_by_weight_from_the_first_step(weights, expected):
+    s = make(FairPolicy(), max_running=4)
+    for i in range(8):
+        s.add(req(f"a{i}", tenant="A", weight=weights[0], max_tokens=8))
+    for i in range(4):
+        s.add(req(f"b{i}", tenant="B", weight=weights[1], max_tokens=8))
+    step(s)
+    assert running_by_tenant(s) == expected
+
+
+def test_fair_preempts_from_the_tenant_most_over_its_share_and_never_ping_pongs():
+    s = make(FairPolicy(), max_running=4)
+    for i in range(8):
+        s.add(req(f"a{i}", tenant="A", max_tokens=30))
+    step(s)
+    assert running_by_tenant(s) == {"A": 4}
+    s.add(req("b0", tenant="B", max_tokens=30))
+    s.add(req("b1", tenant="B", max_tokens=30))
+    batch = step(s)
+    assert batch.preempted_ids == ["a3", "a2"]  # A's newest
+    assert running_by_tenant(s) == {"A": 2, "B": 2}
+    for _ in range(5):  # balanced: nobody is preempted again
+        assert step(s).preempted_ids == []
+        assert running_by_tenant(s) == {"A": 2, "B": 2}
+
+
+def test_fair_shares_the_token_budget_between_prefilling_tenants():
+    s = make(FairPolicy(), max_running=4, max_batched_tokens=40)
+    s.add(req("a", tenant="A", prompt_len=200))
+    s.add(req("b", tenant="B", prompt_len=200))
+    batch = step(s)
+    assert {c.request.request_id: c.num_tokens for c in batch.chunks} == {"a": 20, "b": 20}
+
+
+def test_fair_victim_for_blocks_is_the_newest_of_the_most_loaded_tenant():
+    policy = FairPolicy()
+    rs = [req("a0", tenant="A"), req("b0", tenant="B"), req("a1", tenant="A"), req("b1", tenant="B"),
+          req("a2", tenant="A")]
+    policy.start_step(rs, deque(), 64, 8)
+    assert policy.victim(rs[1:], rs).request_id == "a2"
+    assert policy.victim(rs[1:4], rs).request_id == "a1"
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_POLICIES))
+def test_every_policy_drains_a_tight_pool_with_the_audit_passing_after_every_step(name):
+    s = make(make_policy(name), num_blocks=12, max_running=4, max_batched_tokens=16)
+    for i in range(10):
+        s.add(req(f"r{i}", prompt_len=3 + i % 5, max_tokens=6 + i % 4, tenant="AB"[i % 2], priority=i % 3,
+                  weight=1.0 + i % 2, arrival=float(i)))
+    for _ in range(500):
+        if not (s.running or s.waiting):
+            break
+        step(s)
+    assert not s.running and not s.waiting
+    assert s.block_manager.num_free_blocks == 12
