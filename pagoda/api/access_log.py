@@ -1,10 +1,10 @@
-"""One line per HTTP request on the logger "pagoda.access": method, path, status, duration, tokens.
+"""One line per HTTP request on the logger "pagoda.access": method, path, status, duration, tokens, tenant.
 
 An ASGI middleware: it sees the status the response starts with, and the
 handler fills in an `AccessRecord` it finds in the scope (token counts, and
 why the client left, if it did). A request whose client left is logged with
 499 and the reason (client_disconnect, send_stall), also when a stream had
-already sent its 200.
+already sent its 200. A generation request names its tenant (pagoda.api.tenants), never its key.
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ def access_log_middleware(app: ASGIApp) -> ASGIApp:
             duration_ms = (time.monotonic() - start) * 1000
             client = scope.get("client")
             logger.info(
-                '%s "%s %s" %d %.1fms prompt_tokens=%d completion_tokens=%d%s',
+                '%s "%s %s" %d %.1fms prompt_tokens=%d completion_tokens=%d%s%s',
                 f"{client[0]}:{client[1]}" if client else "-", scope["method"], scope["path"], logged, duration_ms,
                 record.prompt_tokens, record.completion_tokens,
+                f" tenant={record.tenant}" if record.tenant else "",
                 f" reason={record.client_gone}" if record.client_gone else "",
                 extra={"method": scope["method"], "path": scope["path"], "status": logged, "duration_ms": duration_ms,
                        "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-                       "reason": record.client_gone},
+                       "reason": record.client_gone, "tenant": record.tenant},
             )
 
     return middleware

@@ -27,13 +27,13 @@ from litestar.types import Guard
 
 from pagoda import __version__
 from pagoda.api.access_log import access_log_middleware
-from pagoda.api.auth import api_key_guard
 from pagoda.api.errors import ERRORS_OPT, handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
 from pagoda.api.limits import Limits, limits_middleware
 from pagoda.api.metrics import Metrics
 from pagoda.api.settings import ServeSettings
+from pagoda.api.tenants import TenantTable
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints, collect_model_card, collect_routes
 from pagoda.plugins.manager import collect_tool_parsers
@@ -60,15 +60,16 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                            limits=settings.request_limits,
                            tool_parser=parsers[settings.tool_parser] if settings.tool_parser else None)
     metrics = Metrics()
+    tenants = TenantTable(settings.api_key, settings.api_keys_file)  # a bad keys file: KeysFileError, a ValueError
     services = Services(engine=async_engine, context=context, metrics=metrics,
                         policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout,
-                        api_key=settings.api_key, model_names=model_names(settings),
+                        tenants=tenants, model_names=model_names(settings),
                         generation_defaults=dict(settings.generation_defaults))
     served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len,
                          aliases=settings.served_model_aliases,
                          architecture=async_engine.engine.describe().get("architecture"))
     route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context)
-    guards = [api_key_guard(settings.api_key)] if settings.api_key else []
+    guards = [tenants.guard] if tenants.needs_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
     routes += [plugin_route(r, route_context, guards) for r in collect_routes(plugin_manager)]
     routes += health_routes(services, settings.health_timeout)

@@ -5,6 +5,8 @@ either header is accepted on every guarded route.
 
 The key a request presented also names its prefix-cache tenant (`key_tenant`): requests under different
 keys never share cached blocks, so one key's holder cannot learn from timing what another's sent.
+The server matches keys to tenants with pagoda.api.tenants (its guard, for one key or a keys file); this
+module keeps the single-key guard and hash that the router shares.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def api_key_guard(api_key: str) -> Guard:
     expected = api_key.encode()
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-        if not any(hmac.compare_digest(expected, offered.encode()) for offered in _offered_keys(connection)):
+        if not any(hmac.compare_digest(expected, offered.encode()) for offered in offered_keys(connection)):
             raise NotAuthorizedException(
                 detail="invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
             )
@@ -36,13 +38,19 @@ def key_tenant(connection: ASGIConnection, api_key: str | None) -> str | None:
     if api_key is None:
         return None
     expected = api_key.encode()
-    for offered in _offered_keys(connection):
+    for offered in offered_keys(connection):
         if hmac.compare_digest(expected, offered.encode()):
-            return hashlib.blake2b(offered.encode(), digest_size=16, person=b"pagoda-tenant").hexdigest()
+            return key_hash(offered)
     return None  # the guard refuses such a request before it gets here
 
 
-def _offered_keys(connection: ASGIConnection) -> list[str]:
+def key_hash(api_key: str) -> str:
+    """The prefix-cache tenant of requests presenting `api_key` (a hash: the key itself is kept nowhere)."""
+    return hashlib.blake2b(api_key.encode(), digest_size=16, person=b"pagoda-tenant").hexdigest()
+
+
+def offered_keys(connection: ASGIConnection) -> list[str]:
+    """The keys a request presents: its bearer token and its x-api-key header, either or both."""
     keys = []
     authorization = connection.headers.get("authorization", "")
     scheme, _, token = authorization.partition(" ")

@@ -1,7 +1,8 @@
 """The one handler every protocol endpoint runs through, and the life of its engine request.
 
-    handler    body (decoded by Litestar into the endpoint's Struct; the API key checked by a guard)
-               -> endpoint.prepare -> an Exchange in a GenerationResponse; nothing has reached the engine yet
+    handler    body (decoded by Litestar into the endpoint's Struct; the API key matched to a tenant by a guard)
+               -> endpoint.prepare -> the tenant's limits (a Ticket, or 429: pagoda.api.tenant_limits)
+               -> an Exchange in a GenerationResponse; nothing has reached the engine yet
     responder  (the response's ASGI call) the job, a task consuming engine.generate's answer deltas
                through metrics.observe (one engine request per choice), raced against the client leaving:
       unary    the whole answer -> endpoint.render -> one JSON write
@@ -38,13 +39,14 @@ from litestar.params import JSONBody
 from litestar.types import ASGIApp, Guard, Receive, Scope, Send
 
 from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
-from pagoda.api.auth import key_tenant
 from pagoda.api.body import STATE_KEY, strict_body
 from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
 from pagoda.api.drain import DrainState
 from pagoda.api.errors import ERRORS_OPT, api_error, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
+from pagoda.api.tenant_limits import Refusal, TenantLimits, Ticket
+from pagoda.api.tenants import TenantTable
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.outputs import AnswerDelta
 from pagoda.core.sampling_params import SamplingParams
@@ -65,10 +67,15 @@ class Services:
     metrics: Metrics
     policy: DisconnectPolicy
     send_stall_timeout: float = 2.0  # --send-stall-timeout (the policy may change it)
-    api_key: str | None = None  # --api-key: the key a request presents names its prefix-cache tenant
+    tenants: TenantTable = field(default_factory=TenantTable)  # who a request is, from its key (no key: one)
+    tenant_limits: TenantLimits | None = None  # their limits; None = made from `metrics`
     drain: DrainState = field(default_factory=DrainState)  # set on SIGTERM: new requests are refused
     model_names: tuple[str, ...] = ()  # the served name and its aliases; () = any name, answered as the first
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's, from generation_config.json
+
+    def __post_init__(self) -> None:
+        if self.tenant_limits is None:
+            object.__setattr__(self, "tenant_limits", TenantLimits(self.metrics))
 
 
 def endpoint_route(endpoint: Endpoint, services: Services, guards: list[Guard]) -> HTTPRouteHandler:
@@ -101,9 +108,21 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
         choices = fan_out(prepared)  # one engine request per choice, in the response's index order
     except Exception as exc:
         return error_response(endpoint.errors, api_error(exc))
+    tenant = services.tenants.of(request)
+    access_record(request.scope).tenant = tenant.name
+    ticket = services.tenant_limits.admit(tenant, sum(len(c.prompt_token_ids) for c in choices))
+    if isinstance(ticket, Refusal):
+        return tenant_refusal(endpoint, ticket)
     exchange = Exchange(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
                         request=choices[0], tokenizer=services.context.tokenizer, choices=choices)
-    return GenerationResponse(Responder(endpoint, services, exchange, request))
+    return GenerationResponse(Responder(endpoint, services, exchange, request, ticket))
+
+
+def tenant_refusal(endpoint: Endpoint, refusal: Refusal) -> Response[Any]:
+    """429 in the protocol's shape, with the Retry-After the tenant's limit gives."""
+    response = error_response(endpoint.errors, ApiError(429, refusal.message, None, "rate_limit_exceeded"))
+    response.headers["retry-after"] = str(refusal.retry_after)
+    return response
 
 
 def served_model(services: Services, asked: str | None) -> str:
@@ -146,14 +165,22 @@ class GenerationResponse(Response[Any]):
 class Responder:
     """One generation request, from admission to its last write: an ASGI app called once."""
 
-    def __init__(self, endpoint: Endpoint, services: Services, exchange: Exchange, request: Request) -> None:
+    def __init__(self, endpoint: Endpoint, services: Services, exchange: Exchange, request: Request,
+                 ticket: Ticket) -> None:
         self.endpoint = endpoint
         self.services = services
         self.exchange = exchange
         self.request = request
+        self.ticket = ticket  # its place in its tenant's limits, released in the one `finally`
         self.record = access_record(request.scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._serve(receive, send)
+        finally:
+            self.ticket.release()
+
+    async def _serve(self, receive: Receive, send: Send) -> None:
         policy = self.services.policy
         writer = ResponseWriter(send, policy.send_stall_timeout(self.services.send_stall_timeout))
         watch = ClientWatch(receive)  # Litestar has read the body: the watch may have `receive` now
@@ -174,7 +201,7 @@ class Responder:
         One job for all of a request's choices (one engine request each): it is admitted once every choice
         is, and its cancellation, or one choice failing, ends them all."""
         choices = self.exchange.choices
-        tenant = key_tenant(self.request, self.services.api_key)
+        tenant = self.ticket.tenant
         waiting = [len(choices)]
 
         def on_admitted() -> None:
@@ -182,11 +209,13 @@ class Responder:
             if waiting[0] == 0:
                 admitted.set()
 
-        outputs = [self.services.metrics.observe(
+        outputs = [self.ticket.count(self.services.metrics.observe(
             self.services.engine.generate(g.prompt_token_ids, g.sampling_params,
                                           self.exchange.id if len(choices) == 1 else f"{self.exchange.id}-{k}",
-                                          on_admitted=on_admitted, cache_salt=g.cache_salt, tenant=tenant),
-            self.record) for k, g in enumerate(choices)]
+                                          on_admitted=on_admitted, cache_salt=g.cache_salt, tenant=tenant.cache_key,
+                                          priority=tenant.priority if g.priority is None else g.priority,
+                                          weight=tenant.weight),
+            self.record)) for k, g in enumerate(choices)]
         mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
         if not self.exchange.request.stream:
             return asyncio.ensure_future(_collect_all(outputs)), mailbox

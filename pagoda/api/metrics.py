@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,7 @@ class AccessRecord:
     # (the connection closed or a write failed) or "send_stall" (it stopped reading). Such a request
     # is logged as 499, also when a stream had already sent its 200.
     client_gone: str | None = None
+    tenant: str | None = None  # the tenant's name (never its key), once the key is matched
     # Why the engine request ended early, if it did. The consumer of `Metrics.observe` sets it before
     # closing the outputs for a reason of its own (e.g. "error"); a request cancelled after its client
     # left gets the client's reason, one cancelled for no recorded reason (shutdown) "cancelled".
@@ -119,9 +120,19 @@ class Metrics:
         self.departures = Counter("pagoda_client_departures", "Clients that left before their response was complete,"
                                   " by reason (whatever the disconnect policy then did).", ["reason"], registry=r)
         # Refused before reaching the engine, or by its full queue: queue_full, draining, engine_unavailable,
-        # body_too_large, headers_too_large.
+        # body_too_large, headers_too_large, tenant_limit.
         self.rejected = Counter("pagoda_requests_rejected", "Requests refused for load or limits, by reason.",
                                 ["reason"], registry=r)
+        # Per tenant (pagoda.api.tenants): label values are the keys file's names only (bounded); a server
+        # without a keys file has one, "default". Reasons: max_concurrent, requests_per_minute, tokens_per_minute.
+        self.tenant_requests = Counter("pagoda_tenant_requests", "Requests admitted, by tenant.", ["tenant"],
+                                       registry=r)
+        self.tenant_rejected = Counter("pagoda_tenant_rejected", "Requests refused for a tenant's limits, by tenant"
+                                       " and limit.", ["tenant", "reason"], registry=r)
+        self.tenant_tokens = Counter("pagoda_tenant_tokens", "Tokens charged to a tenant, by kind (prompt,"
+                                     " completion).", ["tenant", "kind"], registry=r)
+        self.tenant_in_flight = Gauge("pagoda_tenant_requests_in_flight", "A tenant's requests in flight now.",
+                                      ["tenant"], registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
 

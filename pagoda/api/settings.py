@@ -14,7 +14,8 @@ class ServeSettings:
     log_level: str = "info"
     disabled_plugins: tuple[str, ...] = ()  # plugins left out (--disable-plugin; also PAGODA_DISABLE_PLUGINS)
     served_model_name: str = "default"  # the model name responses report and /v1/models lists
-    api_key: str | None = None  # None = no key needed
+    api_key: str | None = None  # None = no key needed (unless api_keys_file names some); else one tenant, "default"
+    api_keys_file: str | None = None  # tenants, keys and limits (pagoda.api.keys_file); re-read on SIGHUP
     disconnect_policy: str = "abort"  # a registered DisconnectPolicy's name
     tool_parser: str | None = "hermes"  # a registered ToolParser's name: the model's tool-call syntax; None = no tools
     send_stall_timeout: float = 2.0  # seconds a stream may make no write progress before its client counts as gone

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 # A body's `cache_salt` (vLLM's name for it): requests share prefix-cache blocks only under an equal salt.
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+# A body's `priority` (vLLM's extension): lower runs first under --scheduling-policy priority; absent = the tenant's.
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 
 
 def new_id(prefix: str) -> str:
@@ -114,6 +116,7 @@ class EngineRequest:
     cache_salt: str | None = None  # the body's `cache_salt`: prefix-cache blocks are shared only under an equal one
     tool_parser: ToolParser | None = None  # reads the answer's tool calls; None = plain text
     n: int = 1  # choices sampled from this prompt (pagoda.plugins.choices.fan_out makes one engine request each)
+    priority: int | None = None  # the body's `priority`; None = the tenant's (pagoda.api.keys_file.Tenant)
 
 
 @dataclass

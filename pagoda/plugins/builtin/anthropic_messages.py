@@ -21,7 +21,7 @@ from pagoda.plugins.builtin import anthropic_tools as at
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Answer, ApiError, CacheSalt, Endpoint, EngineRequest, ErrorShape, Event, Exchange
-from pagoda.plugins.protocol import ServeContext
+from pagoda.plugins.protocol import Priority, ServeContext
 from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
 from pagoda.plugins.route import Route, RouteContext, ServedModel
 from pagoda.plugins.tools import CallHistory, tool_use
@@ -72,6 +72,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None  # the prefix cache's key (EngineRequest.cache_salt)
+    priority: Priority | None = None  # lower runs first (EngineRequest.priority)
     tools: list[at.AnthropicTool] | None = None
     tool_choice: at.AnthropicToolChoice | None = None
     output_config: at.OutputConfig | None = None
@@ -169,7 +170,8 @@ class Messages(Endpoint):
             stop=body.stop_sequences,
             constraint=constraint,
         )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser,
+                             priority=body.priority)
 
     def _message(self, exchange: Exchange, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
                  output_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -120,7 +120,8 @@ class ChatCompletions(oc.Choices, Endpoint):
             constraint=constraint,
             **body.sampling_fields(),
         )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n,
+                             priority=body.priority)
 
     def _logprobs(self, exchange: Exchange, tokens) -> dict[str, Any] | None:
         return {"content": oc.chat_logprobs(exchange, tokens)} if exchange.body.logprobs else None

@@ -14,7 +14,7 @@ from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason
 from pagoda.plugins.choices import choice_exchange, merge
 from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
-from pagoda.plugins.protocol import Answer, CacheSalt, Event, Exchange
+from pagoda.plugins.protocol import Answer, CacheSalt, Event, Exchange, Priority
 from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import ServedModel
 
@@ -49,6 +49,7 @@ class Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     cache_salt: CacheSalt | None = None  # not sampling: the prefix cache's key (EngineRequest.cache_salt)
+    priority: Priority | None = None  # not sampling: lower runs first (EngineRequest.priority)
 
     def sampling_fields(self) -> dict[str, Any]:
         """These fields as SamplingParams keywords (a None takes SamplingParams' default)."""

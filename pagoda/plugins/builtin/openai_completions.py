@@ -81,7 +81,8 @@ class Completions(oc.Choices, Endpoint):
                 constraint=constraint,
                 **body.sampling_fields(),
             )
-            requests.append(EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n))
+            requests.append(EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n,
+                                          priority=body.priority))
         return requests
 
     def _echo(self, exchange: Exchange) -> str:

@@ -114,7 +114,8 @@ class Responses(Endpoint):
             constraint=constraint,
             **body.sampling_fields(),
         )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser)
+        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser,
+                             priority=body.priority)
 
     # -- shapes ----------------------------------------------------------
     def _message_id(self, exchange: Exchange) -> str:
