@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Sequence
 
 from pagoda.core.machine import prepare_process
@@ -22,5 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     prepare_process()  # before any command imports torch: the CPU set-up every entry point shares
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = argv  # as given: `serve --data-parallel-size N` hands it on to its replicas
     return int(args.func(args) or 0)

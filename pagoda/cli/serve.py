@@ -15,10 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pagoda.api.settings import ServeSettings
+from pagoda.cli.data_parallel import add_data_parallel_options
 from pagoda.cli.parallel_option import add_parallel_options, parallel_fields
 from pagoda.cli.plugins import add_disable_option
 from pagoda.cli.speculative_option import add_speculative_option
 from pagoda.core.engine_config import EngineConfig
+from pagoda.core.scheduling import SchedulingPolicy
 from pagoda.model.architectures import Architectures
 from pagoda.model.factory import EngineOptions, generation_defaults
 from pagoda.plugins.request_fields import RequestLimits
@@ -48,7 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share the KV of equal prompt prefixes between requests")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="tenants: their keys' SHA-256, weights, priorities and limits (.json or .toml; "
+                        "docs/reliability.md); re-read on SIGHUP. With --api-key, that key is one more tenant, "
+                        "'default'")
     p.add_argument("--disconnect-policy", default="abort", help="what to do with a request whose client left")
+    p.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, metavar="NAME",
+                   help="who is admitted, gets the step's tokens and is preempted: a registered scheduling policy "
+                        "(built in: fcfs, priority, fair; default fcfs)")
     p.add_argument("--tool-parser", default=ServeSettings.tool_parser,
                    help="the model's tool-call syntax: a registered tool parser (built in: hermes, llama3_json);"
                         " 'none' refuses requests with tools")
@@ -90,18 +99,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default=ServeSettings.log_level, choices=("debug", "info", "warning", "error"))
     add_speculative_option(p)
     add_parallel_options(p)
+    add_data_parallel_options(p)
     add_disable_option(p)
     p.set_defaults(func=run)
 
 
-def engine_options(args: argparse.Namespace, architectures: Architectures | None = None) -> EngineOptions:
+def engine_options(args: argparse.Namespace, architectures: Architectures | None = None,
+                   scheduling_policies: Mapping[str, type[SchedulingPolicy]] | None = None) -> EngineOptions:
     """The model and engine options the command line gives (pagoda.model.factory builds the engine from them);
-    `architectures`: the registry the loaded plugins make (None: the built-in families)."""
+    `architectures` and `scheduling_policies`: the registries the loaded plugins make (None: the built-in ones)."""
     return EngineOptions(architectures=architectures, model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                          block_size=args.block_size, num_blocks=args.num_blocks, max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
-                         speculative=args.speculative, **parallel_fields(args))
+                         speculative=args.speculative, scheduling_policy=args.scheduling_policy,
+                         scheduling_policies=scheduling_policies, **parallel_fields(args))
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -113,7 +125,7 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
     return ServeSettings(
         host=args.host, port=args.port, log_level=args.log_level, disabled_plugins=tuple(args.disable_plugin),
         served_model_name=names[0], served_model_aliases=tuple(names[1:]),
-        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None, api_keys_file=args.api_keys_file,
         disconnect_policy=args.disconnect_policy,
         tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
         send_stall_timeout=args.send_stall_timeout, send_buffer_size=args.send_buffer_size,
@@ -132,15 +144,22 @@ def served_name(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:  # this process supervises N replicas and the router (no model here)
+        from pagoda.cli.data_parallel import run_data_parallel
+        return run_data_parallel(args, getattr(args, "command_line", None),
+                                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import build_engine
     from pagoda.model.hub import resolve_model
-    from pagoda.plugins.manager import PluginError, collect_architectures, load_plugins
+    from pagoda.api.keys_file import read_keys_file
+    from pagoda.plugins.manager import PluginError, collect_architectures, collect_scheduling_policies, load_plugins
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.api_keys_file is not None:  # refused before the model loads: a typo costs no start-up
+            read_keys_file(args.api_keys_file)
         plugins = load_plugins(disabled=args.disable_plugin)
-        options = engine_options(args, Architectures(collect_architectures(plugins)))
+        options = engine_options(args, Architectures(collect_architectures(plugins)), collect_scheduling_policies(plugins))
         model_dir = resolve_model(options.model, layouts=options.architectures.gguf_layouts)
         status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
         if status is not None:
@@ -159,6 +178,7 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
     from pagoda.api.app import create_app
     from pagoda.api.drain import drain
     from pagoda.api.server import run_server
+    from pagoda.api.tenants import reload_on_sighup
     from pagoda.core.async_engine import AsyncEngine
     from pagoda.plugins.manager import PluginError
 
@@ -176,6 +196,7 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
         print(f"pagoda serving {settings.served_model_name!r} at {url}", flush=True)
 
     services = app.state.services
+    app.on_startup.append(lambda: reload_on_sighup(services.tenants))  # the process's signal: `pagoda serve` only
 
     async def drain_server() -> None:
         await drain(services.drain, async_engine, settings.shutdown_timeout)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagoda.api.settings import ServeSettings
+from pagoda.cli.data_parallel import DataParallelOptions, data_parallel_options
 from pagoda.cli.main import build_parser
 from pagoda.cli.serve import engine_options, serve_settings
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
@@ -26,13 +27,14 @@ class Built:
     options: EngineOptions
     settings: ServeSettings
     config: EngineConfig
+    data_parallel: DataParallelOptions
 
 
 def build(argv: list[str], model_dir: Path, environ: dict[str, str] | None = None) -> Built:
     args = build_parser().parse_args(["serve", *argv])
     options = engine_options(args)
     config = engine_config(options, named_config("tiny"), torch.float32, torch.device("cpu"))
-    return Built(options, serve_settings(args, model_dir, environ or {}), config)
+    return Built(options, serve_settings(args, model_dir, environ or {}), config, data_parallel_options(args))
 
 
 # option -> (its arguments, what must hold of what they built)
@@ -50,11 +52,13 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--max-model-len": (["--max-model-len", "100"], lambda b: b.config.max_model_len == 100),
     "--no-prefix-caching": (["--no-prefix-caching"], lambda b: b.config.enable_prefix_caching is False),
     "--api-key": (["--api-key", "sekret"], lambda b: b.settings.api_key == "sekret"),
+    "--api-keys-file": (["--api-keys-file", "keys.toml"], lambda b: b.settings.api_keys_file == "keys.toml"),
     "--disconnect-policy": (["--disconnect-policy", "finish"], lambda b: b.settings.disconnect_policy == "finish"),
     "--tool-parser": (["--tool-parser", "llama3_json"], lambda b: b.settings.tool_parser == "llama3_json"),
     "--send-stall-timeout": (["--send-stall-timeout", "3.5"], lambda b: b.settings.send_stall_timeout == 3.5),
     "--send-buffer-size": (["--send-buffer-size", "4096"], lambda b: b.settings.send_buffer_size == 4096),
     "--max-waiting": (["--max-waiting", "9"], lambda b: b.config.max_waiting == 9),
+    "--scheduling-policy": (["--scheduling-policy", "fair"], lambda b: b.options.scheduling_policy == "fair"),
     "--max-body-bytes": (["--max-body-bytes", "1000"], lambda b: b.settings.max_body_bytes == 1000),
     "--max-header-bytes": (["--max-header-bytes", "2000"], lambda b: b.settings.max_header_bytes == 2000),
     "--request-read-timeout": (["--request-read-timeout", "4.5"], lambda b: b.settings.request_read_timeout == 4.5),
@@ -76,6 +80,8 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--tensor-parallel-size": (["--tensor-parallel-size", "2"], lambda b: b.options.tensor_parallel_size == 2),
     "--distributed-backend": (["--distributed-backend", "nccl"], lambda b: b.options.distributed_backend == "nccl"),
     "--distributed-timeout": (["--distributed-timeout", "5"], lambda b: b.options.distributed_timeout == 5),
+    "--data-parallel-size": (["--data-parallel-size", "3"], lambda b: b.data_parallel.size == 3),
+    "--router-policy": (["--router-policy", "least_load"], lambda b: b.data_parallel.router_policy == "least_load"),
     "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
                          lambda b: b.settings.disabled_plugins == ("tokenize", "chat_page")),
 }
