@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefix: loads count as imbalanced when the most and least in flight differ by more than N")
     p.add_argument("--balance-rel-threshold", type=float, default=defaults.balance_rel_threshold, metavar="X",
                    help="prefix: ... and the most is over X times the least; then the least loaded gets the request")
+    p.add_argument("--cache-threshold", type=float, default=defaults.cache_threshold, metavar="F",
+                   help="prefix: follow a cached prefix only when it covers at least this share of the prompt's blocks")
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port, help="0 = let the system pick a free port (printed)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
@@ -65,6 +67,7 @@ def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
         replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port, model_dir=model_dir,
         tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
+        cache_threshold=args.cache_threshold,
         api_key=args.api_key or environ.get(API_KEY_ENV) or None, max_queue_per_replica=args.max_queue_per_replica,
         health_interval=args.health_interval, health_timeout=args.health_timeout, seed=args.seed,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)

@@ -15,7 +15,11 @@ imbalanced beyond BOTH an absolute and a relative threshold
 (max - min > `balance_abs_threshold` and max > `balance_rel_threshold` * min),
 it sends the request to the least loaded replica; otherwise to the replica
 whose index matches the longest prefix of the prompt (ties: the less loaded,
-then the lower index), and with no match at all to the least loaded. Where it
+then the lower index), and when no replica matches at least `cache_threshold`
+of the prompt's full blocks (SGLang's cache_threshold) to the least loaded. So a
+conversation's later turns follow its cached history, but a new conversation
+that shares only a short system prompt with others is spread, not piled onto
+the one replica that served the first. Where it
 falls back to the least loaded, ties go to the replica whose index holds the
 fewest blocks (SGLang sends a miss to the smallest tree: the emptiest cache,
 so a new prefix does not evict a warm one while another replica sits cold),
@@ -46,6 +50,9 @@ POLICIES = ("round_robin", "least_load", "prefix", "power_of_two")
 # the engine's default): beyond it a request sent to the warm replica waits behind a whole batch.
 BALANCE_ABS_THRESHOLD = 16
 BALANCE_REL_THRESHOLD = 1.5
+# SGLang's cache_threshold: below this share of the prompt's blocks matched, a match is not worth following
+# (a new conversation that shares only the system prompt goes where the load and the emptiest index say)
+CACHE_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,9 @@ class PrefixAware:
 
     def __init__(self, num_replicas: int, block_size: int, index_capacity: int,
                  balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> None:
+        if not 0 <= cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if index_capacity < 1:
             raise ValueError(f"index_capacity must be >= 1 block, got {index_capacity}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 1:
@@ -134,6 +143,7 @@ class PrefixAware:
         self.index_capacity = index_capacity
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
         # per replica: block hash -> None, least recently routed first (the router's view of its cache)
         self._index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
 
@@ -169,8 +179,8 @@ class PrefixAware:
         else:
             matches = {r: self.matched_blocks(r, hashes) for r in candidates}
             best = max(matches.values())
-            if best == 0:
-                replica, reason = self._least_loaded(loads, candidates), "no_match"
+            if best == 0 or best < self.cache_threshold * len(hashes):
+                replica, reason = self._least_loaded(loads, candidates), "no_match" if best == 0 else "low_match"
             else:  # the longest match; ties: the less loaded, then the lower index
                 replica = min((r for r in candidates if matches[r] == best), key=lambda r: loads[r])
                 reason = "match"
@@ -197,7 +207,7 @@ Router = RoundRobin | LeastLoad | PowerOfTwo | PrefixAware
 
 def make_router(policy: str, num_replicas: int, block_size: int, index_capacity: int, seed: int = 0,
                 balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> Router:
+                balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> Router:
     """The named policy over `num_replicas` replicas; ValueError for an unknown name."""
     if num_replicas < 1:
         raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
@@ -208,5 +218,6 @@ def make_router(policy: str, num_replicas: int, block_size: int, index_capacity:
     if policy == "power_of_two":
         return PowerOfTwo(num_replicas, seed)
     if policy == "prefix":
-        return PrefixAware(num_replicas, block_size, index_capacity, balance_abs_threshold, balance_rel_threshold)
+        return PrefixAware(num_replicas, block_size, index_capacity, balance_abs_threshold, balance_rel_threshold,
+                           cache_threshold)
     raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(POLICIES)}")

@@ -39,7 +39,8 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
     """A router over `settings.replicas`; `plugins` (default: those `pagoda serve` loads) say what each path is."""
     plugins = plugins if plugins is not None else load_plugins()
     table = RouteTable.from_plugins(plugins)
-    policy = make_policy(settings.policy, settings.seed, settings.balance_abs_threshold, settings.balance_rel_threshold)
+    policy = make_policy(settings.policy, settings.seed, settings.balance_abs_threshold, settings.balance_rel_threshold,
+                         settings.cache_threshold)
     fleet = Fleet(settings.replicas, policy, settings.max_queue_per_replica)
     metrics = RouterMetrics(fleet)
     proxy = Proxy(fleet, table, metrics, settings, prompt_reader(settings, plugins) if policy.reads_prompt else None)

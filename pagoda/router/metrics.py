@@ -36,9 +36,9 @@ class FleetCollector(Collector):
         reasons = getattr(self.fleet.policy, "reasons", None)  # the prefix policy's decisions, by why
         if reasons is not None:
             decisions = CounterMetricFamily("pagoda_router_prefix_decisions", "Prefix policy decisions: the longest "
-                                            "cached prefix (match), none cached (no_match), or loads too far apart "
-                                            "(balance).", labels=["reason"])
-            for reason in ("match", "no_match", "balance"):
+                                            "cached prefix (match), too little of it cached (low_match), none cached "
+                                            "(no_match), or loads too far apart (balance).", labels=["reason"])
+            for reason in ("match", "low_match", "no_match", "balance"):
                 decisions.add_metric([reason], reasons.get(reason, 0))
             yield decisions
 

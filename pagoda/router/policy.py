@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, POLICIES, PrefixAware, RouteRequest
+from pagoda.core.routing import (BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, POLICIES, PrefixAware,
+                                 RouteRequest)
 
 logger = logging.getLogger("pagoda.router")
 
@@ -139,10 +140,11 @@ class Prefix:
     reads_prompt = True
 
     def __init__(self, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> None:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.reasons: dict[str, int] = {}  # decisions by PrefixAware's reason ("match", "no_match", "balance")
+        self.cache_threshold = cache_threshold
+        self.reasons: dict[str, int] = {}  # decisions by PrefixAware's reason ("match", "low_match", "no_match", "balance")
         self._inner: PrefixAware | None = None
 
     def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
@@ -164,12 +166,12 @@ class Prefix:
                 logger.warning("replicas differ in KV block size; the prefix index keys on %d-token blocks", block_size)
             pools = [int(r.health["kv_blocks_total"]) for r in replicas if "kv_blocks_total" in r.health]
             self._inner = PrefixAware(len(replicas), block_size, min(pools) if pools else EngineConfig.num_blocks,
-                                      self.balance_abs_threshold, self.balance_rel_threshold)
+                                      self.balance_abs_threshold, self.balance_rel_threshold, self.cache_threshold)
         return self._inner
 
 
 def make_policy(name: str, seed: int = 0, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> Policy:
+                balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> Policy:
     """The named policy; ValueError for an unknown name."""
     if name == "round_robin":
         return RoundRobin()
@@ -178,5 +180,5 @@ def make_policy(name: str, seed: int = 0, balance_abs_threshold: int = BALANCE_A
     if name == "power_of_two":
         return PowerOfTwo(seed)
     if name == "prefix":
-        return Prefix(balance_abs_threshold, balance_rel_threshold)
+        return Prefix(balance_abs_threshold, balance_rel_threshold, cache_threshold)
     raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, POLICIES
+from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, POLICIES
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class RouterSettings:
     tool_parser: str | None = "hermes"  # the replicas' --tool-parser, to render a prompt with tools as they do
     balance_abs_threshold: int = BALANCE_ABS_THRESHOLD  # prefix: imbalanced when max - min in flight exceeds this
     balance_rel_threshold: float = BALANCE_REL_THRESHOLD  # ... and max exceeds this times min
+    cache_threshold: float = CACHE_THRESHOLD  # prefix: the least share of a prompt's blocks matched worth following
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # checked here as pagoda checks it, and forwarded with the request
@@ -42,6 +43,8 @@ class RouterSettings:
             raise ValueError(f"a replica is named twice: {', '.join(self.replicas)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown router policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance thresholds must be abs >= 0 and rel >= 1, got "
                              f"{self.balance_abs_threshold} and {self.balance_rel_threshold}")

@@ -34,7 +34,7 @@ from pagoda.core.scheduler import AdmissionError
 from pagoda.simulator.clock import TimedRunner, VirtualClock
 from pagoda.simulator.crowd import ClientPlan
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
-from pagoda.simulator.simulate import ClientResult, SimulationConfig, SimulationReport, check_against_solo
+from pagoda.simulator.simulate import ClientResult, SimulationConfig, SimulationReport, check_against_solo, tenant_summary
 
 # what happens at an instant, in this order (the second field of an event)
 _STEP_END, _ARRIVE, _HANG_UP, _STEP_START = 0, 1, 2, 3
@@ -49,6 +49,7 @@ class FleetConfig:
     # warm replica may hold a full batch more than the idlest before the load decides
     balance_abs_threshold: int | None = None
     balance_rel_threshold: float = routing.BALANCE_REL_THRESHOLD
+    cache_threshold: float = routing.CACHE_THRESHOLD  # prefix: the least share of blocks matched worth following
     index_capacity: int | None = None  # prefix: blocks per replica in the router's index; None = a replica's pool
 
     def __post_init__(self) -> None:
@@ -153,6 +154,7 @@ def simulate_fleet(plans: list[ClientPlan], fleet: FleetConfig | None = None, co
         wall_seconds=round(wall, 3),
         wall_us_per_step=round(1e6 * wall / max(1, run.steps + solo_steps), 1),
         max_steps_to_release=max((r.steps_to_release or 0 for r in results), default=0),
+        tenants=tenant_summary(results, None),  # a share while active is counted on one engine's steps only
         results=results,
         router=fleet.router,
         prefix_hit_rate=_rate(sum(run.cached_tokens.values()), sum(run.prompt_tokens.values())),
@@ -216,9 +218,9 @@ class _FleetRun:
         ec = config.engine
         self.router = routing.make_router(
             fleet.router, fleet.replicas, ec.block_size, fleet.index_capacity or ec.num_blocks, fleet.seed,
-            fleet.abs_threshold(ec), fleet.balance_rel_threshold,
+            fleet.abs_threshold(ec), fleet.balance_rel_threshold, fleet.cache_threshold,
         )
-        self.results = {p.client_id: ClientResult(p.client_id) for p in plans}
+        self.results = {p.client_id: ClientResult(p.client_id, tenant=p.tenant) for p in plans}
         self.prompts: dict[str, list[int]] = {}  # the prompt each client that arrived was sent
         self.arrived_at: dict[str, float] = {}
         self.replica_of: dict[str, int] = {}
@@ -309,7 +311,7 @@ class _FleetRun:
             try:
                 replica.engine.add_request(client_id, self.prompts[client_id], plan.sampling_params(),
                                            arrival_time=self.arrived_at[client_id], cache_salt=plan.cache_salt,
-                                           tenant=plan.tenant)
+                                           tenant=plan.tenant, priority=plan.priority, weight=plan.weight)
             except AdmissionError as exc:
                 result.status, result.error = "refused", str(exc)
                 self._left(client_id)

@@ -39,6 +39,7 @@ ROWS: dict[str, tuple[list[str], Callable[[RouterSettings], Any]]] = {
     "--tool-parser": (["--tool-parser", "none"], lambda s: s.tool_parser is None),
     "--balance-abs-threshold": (["--balance-abs-threshold", "3"], lambda s: s.balance_abs_threshold == 3),
     "--balance-rel-threshold": (["--balance-rel-threshold", "2.5"], lambda s: s.balance_rel_threshold == 2.5),
+    "--cache-threshold": (["--cache-threshold", "0.6"], lambda s: s.cache_threshold == 0.6),
 }
 
 
