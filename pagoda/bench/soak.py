@@ -10,6 +10,10 @@
                answers rerun alone, one at a time, must be identical; RSS after warm-up (the first
                third) must not grow by more than --rss-slack-mib
 
+With --replicas N (N > 1) the clients talk to a `pagoda router` (--router-policy) in front of N replicas, all in
+this process on loopback ports: the same clients, hang-ups and hostile bodies, through the router; at the end
+every replica's engine is idle, audited and its pool whole, and the solo reruns go through the router too.
+
 Prints one JSON object; exit status 0 only when every check passed.
 """
 
@@ -17,16 +21,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import random
+import re
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import psutil
 
+from pagoda.core.routing import POLICIES
 from pagoda.harness.crowd_client import ClientOutcome, run_client
 from pagoda.harness.live_server import LiveServer, live_server
 from pagoda.model.hub import resolve_model
@@ -100,8 +109,10 @@ def _watch(live: LiveServer, pid: int, stop: threading.Event, stats: SoakStats) 
                 next_rss = time.monotonic() + 1.0
 
 
-async def soak(live: LiveServer, args) -> dict:
-    """Run the clients for `args.duration` seconds, then check the books; returns the report."""
+async def soak(live: LiveServer, args, replicas: list[LiveServer] | None = None) -> dict:
+    """Run the clients for `args.duration` seconds against `live`, then check the books of `replicas` (default:
+    `live` itself; a router's soak passes the servers behind it); returns the report."""
+    replicas = replicas or [live]
     stats, stop = SoakStats(), threading.Event()
     watcher = threading.Thread(target=_watch, args=(live, psutil.Process().pid, stop, stats), daemon=True)
     watcher.start()
@@ -113,14 +124,17 @@ async def soak(live: LiveServer, args) -> dict:
     async with httpx.AsyncClient(base_url=live.url, timeout=300, limits=limits) as http:
         await asyncio.gather(*(_client(live, http, random.Random(args.seed * 1000 + i), deadline, args, stats,
                                        counter) for i in range(args.clients)))
-        await asyncio.wait_for(live.async_engine.wait_until_idle(), 120)
+        pools = []
+        for replica in replicas:
+            await asyncio.wait_for(replica.async_engine.wait_until_idle(), 120)
         stop.set()
         watcher.join(30)
         baseline.join(60)
-        await live.async_engine.audit()
-        pool = await live.async_engine.stats()
+        for replica in replicas:
+            await replica.async_engine.audit()
+            pools.append(await replica.async_engine.stats())
         mismatches = await _solo_reruns(live, http, stats, args)
-    return _report(stats, pool, mismatches, args)
+    return _report(stats, pools, mismatches, args)
 
 
 async def _solo_reruns(live: LiveServer, http: httpx.AsyncClient, stats: SoakStats, args) -> list[str]:
@@ -142,7 +156,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
-def _report(stats: SoakStats, pool: dict, mismatches: list[str], args) -> dict:
+def _report(stats: SoakStats, pools: list[dict], mismatches: list[str], args) -> dict:
     by_status: dict[str, int] = {}
     for _, outcome in stats.outcomes:
         by_status[outcome.status] = by_status.get(outcome.status, 0) + 1
@@ -150,10 +164,12 @@ def _report(stats: SoakStats, pool: dict, mismatches: list[str], args) -> dict:
     rss = stats.rss_mib
     warm = rss[len(rss) // 3:]
     rss_growth = round(max(warm) - warm[0], 1) if len(warm) >= 2 else 0.0
+    server_errors = [o.error for _, o in stats.outcomes if o.error and re.search(r"\b5\d\d\b", o.error)]
     checks = {
-        "audit_clean_and_pool_whole": pool["running"] == 0 and pool["waiting"] == 0
-        and pool["kv_blocks_free"] == pool["kv_blocks_total"],
+        "audit_clean_and_pool_whole": all(pool["running"] == 0 and pool["waiting"] == 0
+                                          and pool["kv_blocks_free"] == pool["kv_blocks_total"] for pool in pools),
         "no_failed_requests": by_status.get("failed", 0) == 0,
+        "no_5xx": not server_errors and all(s < 500 for s in stats.hostile_statuses),
         "hostile_all_4xx": all(400 <= s < 500 for s in stats.hostile_statuses),
         "health_always_200": not stats.health_failures,
         "solo_identical": not mismatches,
@@ -171,8 +187,12 @@ def _report(stats: SoakStats, pool: dict, mismatches: list[str], args) -> dict:
         "rss_mib": {"first": round(rss[0], 1) if rss else None, "after_warmup": round(warm[0], 1) if warm else None,
                     "last": round(rss[-1], 1) if rss else None, "growth_after_warmup": rss_growth,
                     "mean": round(statistics.mean(rss), 1) if rss else None},
-        "pool": {"total": pool["kv_blocks_total"], "free": pool["kv_blocks_free"]},
-        "preemptions_total": pool["preemptions_total"], "aborted_total": pool["aborted_total"],
+        "replicas": len(pools),
+        "pool": {"total": sum(p["kv_blocks_total"] for p in pools), "free": sum(p["kv_blocks_free"] for p in pools)},
+        "pools": [{"total": p["kv_blocks_total"], "free": p["kv_blocks_free"], "requests": p["requests_total"]}
+                  for p in pools],
+        "preemptions_total": sum(p["preemptions_total"] for p in pools),
+        "aborted_total": sum(p["aborted_total"] for p in pools),
         "failed_examples": failed, "checks": checks, "ok": all(checks.values()),
     }
 
@@ -193,15 +213,40 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--replicas", type=int, default=1, help="more than 1: the clients go through a router to them")
+    p.add_argument("--router-policy", default="prefix", choices=POLICIES, help="with --replicas N: the router's")
     return p
+
+
+@contextlib.contextmanager
+def _router(replicas: list[LiveServer], policy: str) -> Iterator[str]:
+    """`pagoda router` over the replicas, in this process; yields its URL."""
+    from pagoda.api.server import BackgroundServer
+    from pagoda.router.app import create_router_app
+    from pagoda.router.settings import RouterSettings
+
+    settings = RouterSettings(tuple(r.url for r in replicas), policy=policy, model_dir=str(resolve_model("default")),
+                              health_timeout=30.0, log_level="warning")
+    server = BackgroundServer(create_router_app(settings)).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.replicas < 1:
+        raise SystemExit("pagoda bench soak: --replicas must be at least 1")
     model_dir = resolve_model(args.model)
-    with live_server(model_dir, "soak", num_blocks=args.num_blocks, block_size=16, max_running=args.max_running,
-                     max_batched_tokens=256, max_model_len=args.max_model_len, device=args.device,
-                     dtype=args.dtype) as live:
-        report = asyncio.run(soak(live, args))
+    with contextlib.ExitStack() as stack:
+        replicas = [stack.enter_context(live_server(
+            model_dir, "soak", num_blocks=args.num_blocks, block_size=16, max_running=args.max_running,
+            max_batched_tokens=256, max_model_len=args.max_model_len, device=args.device, dtype=args.dtype))
+            for _ in range(args.replicas)]
+        front = replicas[0]
+        if args.replicas > 1:
+            front = dataclasses.replace(front, url=stack.enter_context(_router(replicas, args.router_policy)))
+        report = asyncio.run(soak(front, args, replicas))
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1

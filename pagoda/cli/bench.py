@@ -22,6 +22,7 @@ BENCHMARKS = {
     "step-parts": "pagoda.bench.step_parts",
     "tensor-parallel": "pagoda.bench.tensor_parallel",
     "moe": "pagoda.bench.moe",
+    "fleet": "pagoda.bench.fleet",
 }
 
 

@@ -133,6 +133,8 @@ async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: 
     async def conversation(c: int, conv: Conversation) -> None:
         history: tuple[tuple[str, str], ...] = ()  # (user message, answer) of each earlier turn
         for turn, user in enumerate(conv.user_turns):
+            if conv.think_s:
+                await asyncio.sleep(conv.think_s[turn])  # the user reading and typing: part of the workload
             record, text = await level.send(c * len(conv.user_turns) + turn, "chat", user, max_tokens,
                                             system=conv.system, history=history, conversation=c, turn=turn)
             if not record.ok:

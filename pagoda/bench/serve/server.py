@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 READY = re.compile(r"pagoda serving .* at (http://\S+)")
@@ -34,10 +34,13 @@ def serve_command(model: str, *, dtype: str | None = None, quantization: str | N
 
 
 @contextmanager
-def pagoda_subprocess(cmd: list[str], ready_timeout: float) -> Iterator[str]:
-    """Run `cmd`, yield the URL it prints once ready; the child is stopped on the way out."""
+def pagoda_subprocess(cmd: list[str], ready_timeout: float, *, env: Mapping[str, str] | None = None,
+                      ready: re.Pattern[str] = READY) -> Iterator[str]:
+    """Run `cmd` (in `env`, default this process's), yield the URL it prints once ready (the first group of
+    `ready`); the child is stopped on the way out."""
     log = tempfile.TemporaryFile(mode="w+")
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                             env=None if env is None else dict(env))
     lines: queue.Queue[str | None] = queue.Queue()
 
     def drain() -> None:  # keeps reading to EOF, so the child never blocks on a full stdout pipe
@@ -47,7 +50,7 @@ def pagoda_subprocess(cmd: list[str], ready_timeout: float) -> Iterator[str]:
 
     threading.Thread(target=drain, daemon=True).start()
     try:
-        yield _wait_ready(child, lines, log, ready_timeout)
+        yield _wait_ready(child, lines, log, ready_timeout, ready)
     finally:
         stop_child(child, log)
 
@@ -63,7 +66,7 @@ def stop_child(child: subprocess.Popen, log) -> None:
     log.close()
 
 
-def _wait_ready(child: subprocess.Popen, lines: queue.Queue, log, timeout: float) -> str:
+def _wait_ready(child: subprocess.Popen, lines: queue.Queue, log, timeout: float, ready: re.Pattern[str] = READY) -> str:
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         try:
@@ -73,7 +76,7 @@ def _wait_ready(child: subprocess.Popen, lines: queue.Queue, log, timeout: float
         if line is None:
             child.wait(timeout=15)
             raise RuntimeError(f"pagoda serve exited ({child.returncode}) before it was ready:\n{_tail(log)}")
-        if m := READY.search(line):
+        if m := ready.search(line):
             return m.group(1)
     raise RuntimeError(f"pagoda serve was not ready within {timeout:g} s:\n{_tail(log)}")
 

@@ -75,6 +75,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
     g.add_argument("--system-tokens", type=int, default=1000, help="chat: the shared system prompt's words (~tokens)")
     g.add_argument("--user-tokens", type=int, default=24, help="chat: words (~tokens) in each user message")
+    g.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="chat: mean seconds a user pauses before each turn (exponential; 0: none, turns back to back)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-warmup", action="store_true", help="skip the one unrecorded request per server")
@@ -104,6 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--offline-rounds must be at least 1")
     if (args.workload == "crowd") != bool(args.crowd):
         p.error("--crowd FILE.json goes with --workload crowd, and that workload needs it")
+    if args.think_time < 0:
+        p.error("--think-time must be >= 0")
     if min(args.num_requests, args.turns, args.conversations, args.output_len) < 1:
         p.error("--num-requests, --turns, --conversations and --output-len must be at least 1")
     return args
@@ -116,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = [] if args.workload == "chat" else prompts_for(
             args.workload, num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
             seed=args.seed, crowd=args.crowd)
-        convs = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.seed)
+        convs = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.seed,
+                              args.think_time)
         with contextlib.ExitStack() as stack:
             url = args.url or stack.enter_context(pagoda_subprocess(
                 serve_command(args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, max_running=args.max_running,

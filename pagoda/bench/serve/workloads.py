@@ -44,6 +44,7 @@ class Conversation:
 
     system: str
     user_turns: tuple[str, ...]
+    think_s: tuple[float, ...] = ()  # the user's pause before each turn (empty: none), as a person reads and types
 
 
 def words(n: int, rng: random.Random) -> str:
@@ -71,12 +72,21 @@ def from_crowd(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def conversations(num: int, turns: int, system_tokens: int, user_tokens: int, seed: int) -> list[Conversation]:
-    """`num` conversations of `turns` user messages each, all behind one system prompt (the shared prefix)."""
-    rng = random.Random(seed)
+def conversations(num: int, turns: int, system_tokens: int, user_tokens: int, seed: int,
+                  think_s: float = 0.0) -> list[Conversation]:
+    """`num` conversations of `turns` user messages each, all behind one system prompt (the shared prefix).
+
+    With `think_s` > 0 each turn (the first too) waits an exponential pause of that mean before it is sent, so
+    conversations drift apart as real users' do instead of running in lockstep; drawn from a stream of their
+    own, so the words are those of the same seed without pauses."""
+    rng, pauses = random.Random(seed), random.Random(f"think-{seed}")
     system = "You are a helpful assistant. " + words(system_tokens, rng)
-    return [Conversation(system, tuple(f"Tell me about {words(user_tokens, rng)}." for _ in range(turns)))
-            for _ in range(num)]
+    convs = [Conversation(system, tuple(f"Tell me about {words(user_tokens, rng)}." for _ in range(turns)))
+             for _ in range(num)]
+    if think_s <= 0:
+        return convs
+    return [Conversation(c.system, c.user_turns, tuple(pauses.expovariate(1 / think_s) for _ in range(turns)))
+            for c in convs]
 
 
 def prompts_for(workload: str, *, num_requests: int, input_len: int, output_len: int, seed: int,
