@@ -281,6 +281,9 @@ BUILTIN_POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {
 def make_policy(name: str, policies: Mapping[str, Callable[[], SchedulingPolicy]] | None = None) -> SchedulingPolicy:
     """A fresh policy (it may keep per-scheduler state) by name; an unknown name is a ValueError naming the choices."""
     policies = BUILTIN_POLICIES if policies is None else policies
+    if not policies:
+        raise ValueError(f"scheduling policy {name!r}: no scheduling policy is registered (is the "
+                         "scheduling_policies plugin left out?)")
     if name not in policies:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {', '.join(sorted(policies))}")
     return policies[name]()

@@ -23,7 +23,7 @@ from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import registered_endpoints
-from pagoda.plugins.manager import collect_architectures, load_plugins
+from pagoda.plugins.manager import collect_architectures, collect_scheduling_policies, load_plugins
 from pagoda.plugins.protocol import Endpoint
 
 
@@ -86,6 +86,7 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     plugins = load_plugins(environ or {}, disabled=settings.disabled_plugins)
     # the model is looked up in the architectures these plugins register, as `pagoda serve` does
     engine_options.setdefault("architectures", Architectures(collect_architectures(plugins)))
+    engine_options.setdefault("scheduling_policies", collect_scheduling_policies(plugins))  # and the policies
     options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **engine_options})
     engine, tokenizer, _ = build_engine(options, progress=False)
     async_engine = AsyncEngine(engine)

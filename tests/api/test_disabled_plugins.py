@@ -49,7 +49,7 @@ ARCHITECTURES = sorted(n for n, module in BUILTIN_PLUGINS.items() if module.star
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(BUILTIN_PLUGINS) - set(ARCHITECTURES)))
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_PLUGINS) - set(ARCHITECTURES) - {"scheduling_policies"}))
 def test_each_builtin_can_be_left_out_alone(name, tiny_model_dir):
     settings = ServeSettings(disabled_plugins=(name,),
                              disconnect_policy="finish" if name == "disconnect_abort" else "abort",
@@ -92,6 +92,13 @@ def test_an_architecture_left_out_is_one_the_server_cannot_load(name, tiny_model
                                                                                "plugin": "llama"}
     finally:
         live.server.stop()
+
+
+def test_without_the_scheduling_policies_plugin_no_server_starts(tiny_model_dir):
+    """Even fcfs is a plugin's: left out, the server refuses to start and says which plugin is missing."""
+    settings = ServeSettings(disabled_plugins=("scheduling_policies",))
+    with pytest.raises(ValueError, match="scheduling policy 'fcfs': no scheduling policy is registered"):
+        start_server(tiny_model_dir, TINY_NAME, settings=settings, environ={"PAGODA_PLUGINS": "none"}, **TINY_ENGINE)
 
 
 def test_a_setting_that_names_a_left_out_plugin_is_refused_at_start(tiny_model_dir):
