@@ -26,6 +26,7 @@ from pagoda.plugins.manager import load_plugins, registered_endpoints
 PROTOCOLS = ("completions", "chat")  # the endpoints a load may use, by the protocol names crowds use
 SPLIT = ("queue", "prefill", "decode")  # pagoda_request_{name}_seconds
 HOPS = ("handoff", "first_token_delivery")  # the same, where the server has them: event loop <-> engine thread
+CANCELLED = "cancelled at the run deadline"  # the error of a request cut off while in flight
 
 
 class OpenAICompatible:
@@ -79,6 +80,7 @@ class RequestRecord:
     start: float  # since the level began
     conversation: int | None = None
     turn: int | None = None
+    tenant: str | None = None  # whose key sent it (--tenant-mix)
     ok: bool = False
     error: str | None = None
     ttft: float | None = None
@@ -128,22 +130,30 @@ async def stream_request(http: httpx.AsyncClient, target: Target, protocol: str,
                     if answered or attempt:
                         raise
         record.e2e = time.perf_counter() - started
-        if events:
-            record.ttft = events[0] - started
-            record.itl = [b - a for a, b in zip(events, events[1:])]
+        _token_times(record, started, events)
         record.prompt_tokens = answer.prompt_tokens
         record.output_tokens = answer.output_tokens or len(events)
         record.ok = record.ttft is not None
         if not record.ok:
             record.error = "no token in the stream"
     except asyncio.CancelledError:
-        record.error = "cancelled at the run deadline"
+        record.error = CANCELLED
+        # What streamed before the cut is kept (still not ok): a tenant mix counts the tokens a stopped
+        # request had been given while its neighbour was active.
+        _token_times(record, started, events)
+        record.output_tokens = len(events)
         raise
     except TimeoutError:
         record.error = f"timed out after {timeout:g} s"
     except Exception as exc:  # the record says why; the run goes on
         record.error = f"{type(exc).__name__}: {exc}"
     return answer.text
+
+
+def _token_times(record: RequestRecord, started: float, events: list[float]) -> None:
+    if events:
+        record.ttft = events[0] - started
+        record.itl = [b - a for a, b in zip(events, events[1:])]
 
 
 async def served_model(http: httpx.AsyncClient, target: Target) -> str:

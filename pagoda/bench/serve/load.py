@@ -6,6 +6,8 @@
                  whether or not earlier ones finished
     chat         one client per conversation; turn t resends the whole history (system prompt,
                  every earlier user message and answer) plus user message t
+    tenants      closed loops per tenant, each with its own key, side by side, until one tenant has
+                 finished its requests (--tenant-mix: tenant_mix.py)
 
 Every level is bounded: each request by its own timeout, the level by the
 run's deadline (what is still in flight then is cancelled and recorded so).
@@ -14,16 +16,19 @@ run's deadline (what is still in flight then is cancelled and recorded so).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 
 import httpx
 from tqdm import tqdm
 
-from pagoda.bench.serve.client import RequestRecord, Target, ask_for, stream_request
+from pagoda.bench.serve.client import CANCELLED, RequestRecord, Target, ask_for, stream_request
 from pagoda.bench.serve.workloads import Conversation, Prompt
+
+STOPPED = "in flight when the loops stopped"  # the error of another tenant's request cut off by tenant_loops
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,11 @@ def merged(runs: list[LevelRun]) -> LevelRun:
 class _Level:
     """Shared state of one level: the clock, the records, the progress bar."""
 
-    def __init__(self, http: httpx.AsyncClient, target: Target, cfg: LoadConfig, level: float, total: int,
-                 label: str) -> None:
+    def __init__(self, http: httpx.AsyncClient, target: Target, cfg: LoadConfig, level: float, total: int | None,
+                 label: str, t0: float | None = None) -> None:
         self.http, self.target, self.cfg, self.level = http, target, cfg, level
         self.loop = asyncio.get_running_loop()
-        self.t0 = self.loop.time()
+        self.t0 = self.loop.time() if t0 is None else t0  # levels run side by side share one clock
         self.cpu0 = time.process_time()
         self.run = LevelRun()
         self.bar = tqdm(total=total, desc=f"{target.name} {label}", leave=False, disable=not cfg.progress)
@@ -142,6 +147,50 @@ async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: 
             history += ((user, text),)
 
     return await level.until(deadline, asyncio.gather(*(conversation(c, conv) for c, conv in enumerate(convs))))
+
+
+async def tenant_loops(http: httpx.AsyncClient, targets: dict[str, Target], streams: dict[str, int], cfg: LoadConfig,
+                       prompt: Callable[[str, int], Prompt], until: str, num_requests: int,
+                       deadline: float) -> dict[str, LevelRun]:
+    """Each tenant's streams in closed loops, each tenant with its own target (its key), until tenant `until` has
+    sent and finished `num_requests`; the other tenants keep sending until then, and what they have in flight is
+    cancelled then (recorded so, with what streamed before). Request i of tenant t sends `prompt(t, i)`.
+    One clock for all: record starts are seconds since the loops began."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    levels = {name: _Level(http, target, cfg if name == until else replace(cfg, progress=False), streams[name],
+                           num_requests if name == until else None, f"tenant {name}", t0)
+              for name, target in targets.items()}
+
+    def clients(name: str) -> list[Awaitable[None]]:
+        counter = iter(range(num_requests)) if name == until else itertools.count()
+
+        async def client() -> None:
+            for i in counter:  # shared: each index is taken by exactly one of the tenant's streams
+                p = prompt(name, i)
+                await levels[name].send(i, cfg.endpoint, p.text, p.max_tokens)
+
+        return [client() for _ in range(streams[name])]
+
+    others = [asyncio.ensure_future(c) for name in targets if name != until for c in clients(name)]
+    try:
+        await levels[until].until(deadline, asyncio.gather(*clients(until)))
+    finally:
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+    end = loop.time() - t0
+    for name, level in levels.items():
+        if name != until:
+            level.bar.close()
+            level.run.duration = end
+            level.run.deadline_hit = levels[until].run.deadline_hit
+        for record in level.run.records:
+            record.tenant = name
+            if name != until and not record.ok and record.error == CANCELLED:
+                record.error = STOPPED  # stopped with the loops: unfinished, but not a failure
+    levels[until].run.duration = max(levels[until].run.duration, end)
+    return {name: level.run for name, level in levels.items()}
 
 
 async def warm_up(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, prompt: Prompt) -> RequestRecord:

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.serve import load
+from pagoda.bench.serve import load, tenant_mix
 from pagoda.bench.serve.baseline import baseline_lines, transformers_sequential
 from pagoda.bench.serve.client import Target, peer_endpoints, scrape_split, served_model, split_means
 from pagoda.bench.serve.offline import SERVER as OFFLINE, OfflineEngine, offline_engine
@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--max-running", type=int)
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="another `pagoda serve` argument, repeatable (e.g. --server-arg=--max-batched-tokens=1024)")
+    g.add_argument("--scheduling-policy", type=tenant_mix.parse_policies, metavar="NAME[,NAME...]",
+                   help="the pagoda started here schedules by it; with --tenant-mix a list, each policy on a fresh"
+                        " server (default there: fcfs,fair)")
     g.add_argument("--server-ready-timeout", type=float, default=600.0, help="seconds for it (and a started peer) to be ready")
     g.add_argument("--transformers", action="store_true",
                    help="also time transformers' generate on the same prompts, one at a time (after the HTTP load)")
@@ -65,12 +68,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument("--concurrency", type=_numbers, default=[1.0, 4.0, 16.0], help="closed-loop client counts")
     g.add_argument("--request-rate", type=_numbers, help="open-loop Poisson rates per second (instead of --concurrency)")
-    g.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    g.add_argument("--num-requests", type=int, default=32,
+                   help="requests per level (--tenant-mix: the quietest tenant's, alone and then in the mix)")
     g.add_argument("--num-requests-per-level", type=_numbers, metavar="N,N,...",
                    help="closed loop: requests for each --concurrency level in turn (instead of --num-requests)")
     g.add_argument("--input-len", type=int, default=128, help="synthetic prompt words (~tokens)")
     g.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     g.add_argument("--crowd", help="a simulator crowd file (the crowd workload)")
+    g.add_argument("--tenant-mix", type=tenant_mix.parse_tenant_mix, metavar="NAME:STREAMS,...",
+                   help="tenants, each with its own key and STREAMS closed-loop clients (e.g. A:64,B:1): the quietest"
+                        " runs alone, then beside the others, per --scheduling-policy (tenant_mix.py)")
     g.add_argument("--conversations", type=int, default=4, help="chat: clients, each one conversation")
     g.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
     g.add_argument("--system-tokens", type=int, default=1000, help="chat: the shared system prompt's words (~tokens)")
@@ -108,6 +115,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--crowd FILE.json goes with --workload crowd, and that workload needs it")
     if args.think_time < 0:
         p.error("--think-time must be >= 0")
+    if args.tenant_mix and (args.url or args.peer_url or args.api_key or args.request_rate or args.offline_baseline
+                            or args.transformers or args.num_requests_per_level or args.workload != "synthetic"):
+        p.error("--tenant-mix starts its own pagoda with a key per tenant and sends synthetic prompts (no --url,"
+                " --peer-url, --api-key, --request-rate, --offline-baseline, --transformers,"
+                " --num-requests-per-level or other --workload)")
+    if args.scheduling_policy and not args.tenant_mix and (args.url or len(args.scheduling_policy) > 1):
+        p.error("--scheduling-policy is one policy for the pagoda started here (a list needs --tenant-mix)")
     if min(args.num_requests, args.turns, args.conversations, args.output_len) < 1:
         p.error("--num-requests, --turns, --conversations and --output-len must be at least 1")
     return args
@@ -115,6 +129,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.tenant_mix:
+        return tenant_mix.main(args)
     try:
         # Built before any server starts, so that a bad crowd file costs nothing.
         prompts = [] if args.workload == "chat" else prompts_for(
@@ -123,9 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         convs = conversations(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.seed,
                               args.think_time)
         with contextlib.ExitStack() as stack:
+            policy = ("--scheduling-policy", args.scheduling_policy[0]) if args.scheduling_policy else ()
             url = args.url or stack.enter_context(pagoda_subprocess(
-                serve_command(args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, max_running=args.max_running,
-                              extra=args.server_arg), args.server_ready_timeout))
+                serve_command(args.model, dtype=args.dtype, quantization=args.quantization,
+                              num_blocks=args.num_blocks, max_running=args.max_running,
+                              extra=[*policy, *args.server_arg]), args.server_ready_timeout))
             if args.peer_command:
                 stack.enter_context(peer_process(args.peer_command, args.peer_url, args.server_ready_timeout))
             targets = [Target("pagoda", url.rstrip("/"), api_key=args.api_key)]
