@@ -21,6 +21,7 @@ with the router's URL. Everything the children print goes to stderr, each line t
   1 when none is, or when the router dies.
 - Stopping: SIGTERM or SIGINT sends SIGTERM to the router and every replica at once; each drains within
   --shutdown-timeout; what is left after that plus STOP_MARGIN_S (or at a second signal) is killed.
+- SIGHUP is passed on to the replicas, so each re-reads its --api-keys-file as a lone `pagoda serve` does.
 """
 
 from __future__ import annotations
@@ -187,6 +188,12 @@ class Supervisor:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     output_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def hang_up_replicas(self) -> None:
+        """SIGHUP, passed on to every live replica: each re-reads its --api-keys-file (the router holds no keys file)."""
+        for child in list(self.children):
+            if child.name.startswith("replica") and child.alive:
+                child.process.send_signal(signal.SIGHUP)
+
     def run(self) -> int:
         """Start everything, print the ready line, serve until a signal or a failure, stop; the exit status."""
         try:
@@ -337,6 +344,7 @@ def run_data_parallel(args: argparse.Namespace, command_line: Sequence[str] | No
         return 2
     previous = {s: signal.signal(s, lambda signum, _frame: supervisor.events.put(Signalled(signum)))
                 for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _signum, _frame: supervisor.hang_up_replicas())
     try:
         return supervisor.run()
     finally:

@@ -8,6 +8,8 @@ found in /proc (Linux), as the command's children.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -141,6 +143,40 @@ def test_a_dead_replica_is_routed_around_and_sigterm_ends_everything_with_0(comm
     assert command.process.stdout.read() == ""  # nothing after the ready line
     wait_for(lambda: all(gone(pid) for pid in children), f"the command's children {sorted(children)} to be gone",
              timeout=10)
+
+
+@pytest.mark.slow
+def test_sighup_reaches_every_replica_so_each_rereads_the_keys_file(tmp_path):
+    keys = tmp_path / "keys.json"
+
+    def write_keys(*names: str) -> None:
+        keys.write_text(json.dumps({"tenants": [{"name": n, "key_sha256": hashlib.sha256(f"key-{n}".encode())
+                                                 .hexdigest()} for n in names]}))
+
+    write_keys("a")
+    cmd = [sys.executable, "-m", "pagoda", "serve", "--data-parallel-size", "2", "--router-policy", "round_robin",
+           "--port", "0", "--num-blocks", "64", "--api-keys-file", str(keys), "--log-level", "warning"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = READY.match(first_line(process, START_TIMEOUT_S)).group(1)
+
+        def statuses(key: str) -> dict[str, int]:  # round robin: two requests, one on each replica
+            answers = [httpx.post(f"{url}/v1/completions", json=BODY, timeout=120,
+                                  headers={"Authorization": f"Bearer {key}"}) for _ in range(2)]
+            return {a.headers.get(REPLICA_HEADER, "router"): a.status_code for a in answers}
+
+        assert set(statuses("key-a").values()) == {200} and set(statuses("key-b").values()) == {401}
+        write_keys("a", "b")
+        process.send_signal(signal.SIGHUP)
+        wait_for(lambda: list(statuses("key-b").values()) == [200, 200], "both replicas to take the new key")
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=60)
+        process.stdout.close()
 
 
 @pytest.mark.slow
