@@ -8,8 +8,8 @@ the chat workload of `pagoda bench serve` runs through the router: every convers
 when the previous one has answered, resending the whole history behind a system prompt all conversations
 share (pagoda/bench/serve/load.py). Measured per policy:
 
-    hit rate   prefix-cache hit tokens / looked-up prompt tokens over the fleet, from the router's /health
-               (its replicas' counters summed), counted around the workload only
+    hit rate   prefix-cache hit tokens / looked-up prompt tokens over the fleet, from the replicas' own /health
+               (asked directly, summed), counted around the workload only
     TTFT, e2e  what the clients saw (p50, p90), from bench serve's own records
 
 The prediction: the same conversations as a simulator crowd (each turn a follow-up of the one before, whose
@@ -97,10 +97,9 @@ def live_fleet(args: argparse.Namespace, policy: str) -> Iterator[LiveFleet]:
         yield LiveFleet(router, replicas)
 
 
-def prefix_counters(url: str) -> tuple[int, int]:
-    """(hit tokens, looked-up tokens) summed over the fleet, from the router's /health."""
-    health = httpx.get(f"{url}/health", timeout=30).json()
-    return health["prefix_cache_hit_tokens_total"], health["prefix_cache_queried_tokens_total"]
+def replica_health(fleet: LiveFleet) -> list[dict[str, Any]]:
+    """Each replica's own /health, asked now (the router's copy is its latest poll, up to an interval old)."""
+    return [httpx.get(f"{url}/health", timeout=30).json() for url in fleet.replicas]
 
 
 def run_live(args: argparse.Namespace, policy: str, convs: list[Conversation]) -> dict[str, Any]:
@@ -110,27 +109,26 @@ def run_live(args: argparse.Namespace, policy: str, convs: list[Conversation]) -
     with live_fleet(args, policy) as fleet:
         for i, url in enumerate(fleet.replicas):  # each replica's first request, unrecorded and unshared
             httpx.post(f"{url}/v1/completions", json={"prompt": f"Warm-up {i}.", "max_tokens": 2}, timeout=120)
-        health = httpx.get(f"{fleet.router}/health", timeout=30).json()
-        hits0, queried0 = prefix_counters(fleet.router)
+        before = replica_health(fleet)
         load_args = sweep.parse_args(["--url", fleet.router, "--workload", "chat", "--no-warmup", "--no-progress",
                                       "--conversations", str(args.conversations), "--turns", str(args.turns),
                                       "--system-tokens", str(args.system_tokens),
                                       "--user-tokens", str(args.user_tokens), "--output-len", str(args.output_len),
                                       "--seed", str(args.seed), "--deadline", str(args.deadline)])
         summaries, _ = asyncio.run(sweep.run(load_args, [sweep.Target("pagoda", fleet.router)], [], convs))
-        hits1, queried1 = prefix_counters(fleet.router)
-        after = httpx.get(f"{fleet.router}/health", timeout=30).json()
+        after = replica_health(fleet)
     summary = summaries[0]
+
+    def grown(key: str) -> list[int]:
+        return [a[key] - b[key] for a, b in zip(after, before)]
+
+    hits, queried = sum(grown("prefix_cache_hit_tokens_total")), sum(grown("prefix_cache_queried_tokens_total"))
     return {
         "policy": policy, "requests": summary["requests"], "ok": summary["ok"], "failed": summary["failed"],
-        "prefix_hit_rate": (hits1 - hits0) / max(1, queried1 - queried0),
-        "hit_tokens": hits1 - hits0, "queried_tokens": queried1 - queried0,
+        "prefix_hit_rate": hits / max(1, queried), "hit_tokens": hits, "queried_tokens": queried,
         "ttft_ms": summary["ttft_ms"], "e2e_ms": summary["e2e_ms"], "out_tok_per_s": summary["out_tok_per_s"],
-        "preemptions": after.get("preemptions_total", 0) - health.get("preemptions_total", 0),
-        "requests_per_replica": [r.get("requests_total", 0) - b.get("requests_total", 0)
-                                 for r, b in zip(after["replicas"], health["replicas"])],
-        "kv_blocks_per_replica": health["replicas"][0].get("kv_blocks_total"),
-        "kv_block_size": health["replicas"][0].get("kv_block_size", EngineConfig.block_size),
+        "preemptions": sum(grown("preemptions_total")), "requests_per_replica": grown("requests_total"),
+        "kv_blocks_per_replica": before[0]["kv_blocks_total"], "kv_block_size": before[0]["kv_block_size"],
     }
 
 
@@ -204,9 +202,18 @@ def report(args: argparse.Namespace, live: list[dict[str, Any]], simulated: list
     by = {run["policy"]: (run, sim) for run, sim in zip(live, simulated)}
     if "prefix" in by and "round_robin" in by:
         (p, ps), (r, rs) = by["prefix"], by["round_robin"]
-        live_ratio = p["prefix_hit_rate"] / max(r["prefix_hit_rate"], 1e-9)
-        sim_ratio = ps["prefix_hit_rate"] / max(rs["prefix_hit_rate"], 1e-9)
-        lines += ["", f"hit-rate ratio prefix / round_robin: live {live_ratio:.2f}, simulated {sim_ratio:.2f} "
-                      f"(simulated / live {sim_ratio / live_ratio:.2f}); "
-                      f"TTFT p50 prefix / round_robin: {p['ttft_ms']['p50'] / r['ttft_ms']['p50']:.2f}"]
+        live_ratio = quotient(p["prefix_hit_rate"], r["prefix_hit_rate"])
+        sim_ratio = quotient(ps["prefix_hit_rate"], rs["prefix_hit_rate"])
+        lines += ["", f"hit-rate ratio prefix / round_robin: live {shown(live_ratio)}, simulated {shown(sim_ratio)} "
+                      f"(simulated / live {shown(quotient(sim_ratio, live_ratio))}); "
+                      f"TTFT p50 prefix / round_robin: {shown(quotient(p['ttft_ms']['p50'], r['ttft_ms']['p50']))}"]
     return "\n".join(lines)
+
+
+def quotient(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is unknown or b is 0 (a policy that hit nothing)."""
+    return a / b if a is not None and b else None
+
+
+def shown(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"

@@ -3,12 +3,15 @@ them, the prediction and the arguments (the live half runs as the performance pa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from pagoda.bench.fleet import chat_crowd_from, parse_args, predict
+from pagoda.bench.fleet import chat_crowd_from, main, parse_args, predict
 from pagoda.bench.serve.workloads import conversations
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.model.hub import resolve_model
+from tests.server_fixtures import tiny_model_dir  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +64,26 @@ def test_arguments_are_checked():
         parse_args(["--policies", "random"])
     with pytest.raises(SystemExit):
         parse_args(["--replicas", "0"])
+
+
+@pytest.mark.slow
+def test_a_small_live_fleet_runs_both_policies_through_the_router(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    """The whole bench on the tiny model: two `pagoda serve` children and a router per policy, the chat workload
+    through it, the fleet's counters read back, the prediction beside them."""
+    out = tmp_path / "fleet.json"
+    rc = main(["--model", str(tiny_model_dir), "--conversations", "4", "--turns", "2", "--system-tokens", "4",
+               "--user-tokens", "40", "--output-len", "4", "--think-time", "0.05", "--num-blocks", "64",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    live = {run["policy"]: run for run in result["live"]}
+    assert set(live) == {"round_robin", "prefix"}
+    for run in live.values():
+        assert run["ok"] == run["requests"] == 8 and run["failed"] == 0
+        assert sum(run["requests_per_replica"]) == 8 and run["kv_blocks_per_replica"] == 64
+        assert run["queried_tokens"] > 0 and 0 <= run["prefix_hit_rate"] <= 1
+    assert live["round_robin"]["requests_per_replica"] == [4, 4]
+    assert live["prefix"]["hit_tokens"] > 0  # a second turn found its first turn's blocks where the router sent it
+    simulated = {run["policy"]: run for run in result["simulated"]}
+    assert simulated["round_robin"]["routes"] == {"round_robin": 8} and sum(simulated["prefix"]["routes"].values()) == 8
+    assert "hit-rate ratio prefix / round_robin" in capsys.readouterr().out
