@@ -208,8 +208,10 @@ def test_what_cannot_run_is_refused_with_status_2(capsys, argv, said):
 
 
 def test_a_replica_repeats_the_command_line_on_loopback_with_its_share_of_threads():
-    user = ["serve", "--host", "0.0.0.0", "--port=9000", "--data-parallel-size", "2", "--router-policy", "least_load",
+    # no --port: serve's default (a fixed one) must become 0, the kernel's pick; nothing here binds a socket
+    user = ["serve", "--host", "localhost", "--data-parallel-size", "2", "--router-policy", "least_load",
             "--max-running", "7"]
+    assert build_parser().parse_args(user).port != 0
     args = build_parser().parse_args(replica_command(user))
     assert (args.host, args.port, args.data_parallel_size, args.max_running) == ("127.0.0.1", 0, 1, 7)
     assert child_environ({}, 3, None, None)[THREADS_ENV] == "3"
