@@ -162,6 +162,8 @@ class Scheduler:
             hits = bm.cached_prefix(request)  # never covers the last token: num_new >= 1
             num_cached = len(hits) * bm.block_size
             num_new = policy.grant(request, request.num_tokens - num_cached, budget)
+            if num_new == 0:  # no tokens for it this step: admitting it would run a chunk of nothing
+                break
             if not bm.can_allocate(request.request_id, num_cached + num_new, hits):
                 break  # nobody overtakes the request the policy chose (fcfs: the head of the queue)
             if self.waiting[0] is request:
