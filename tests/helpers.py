@@ -266,3 +266,15 @@ class FaultySampler:
 
     def sample(self, logits: Any, requests: list[Any]) -> list[SampledToken]:
         return [self.sample_row(logits[i], r) for i, r in enumerate(requests)]
+
+
+def advance(scheduler, batch) -> None:
+    """What the runner and the engine would do with a scheduled batch, without a model: every chunk's tokens
+    computed, token 7 sampled where a chunk samples, requests at their max_tokens removed; then the audit."""
+    for chunk in batch.chunks:
+        chunk.request.num_computed_tokens = chunk.end
+        if chunk.samples:
+            chunk.request.output_token_ids.append(7)
+            if chunk.request.num_output_tokens >= chunk.request.sampling_params.max_tokens:
+                scheduler.remove(chunk.request)
+    scheduler.audit()

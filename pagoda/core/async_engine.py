@@ -269,6 +269,15 @@ class AsyncEngine:
             command.run()
         if stopping:
             return False
+        if self.engine.has_unfinished() and (wait := self.engine.anticipation()) > 0:
+            with self._cond:  # the policy expects a request within `wait`: its arrival (or a stop) ends the wait
+                if not self._commands and not self._stopping:
+                    self._cond.wait(wait)
+                late = list(self._commands)
+                self._commands.clear()
+            for command in late:
+                command.run()
+            commands += late
         if commands:  # admissions and aborts show before the step they wait for
             self._snapshot = self.engine.stats()
         if self.engine.has_unfinished():

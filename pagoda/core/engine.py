@@ -149,6 +149,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending_aborts)
 
+    def anticipation(self) -> float:
+        """Seconds whoever drives the engine should wait for a new request before the next step, as the scheduling
+        policy asks (fair: for a tenant whose request just ended and who came back promptly before; fcfs: 0).
+        An arrival ends the wait; waiting never changes an answer, only when it is computed."""
+        return self.scheduler.anticipation() if not self._pending_aborts else 0.0
+
     # -- the step ------------------------------------------------------
     def step(self) -> list[AnswerDelta]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""

@@ -35,7 +35,9 @@ choice of whom to preempt are asked of a SchedulingPolicy (core/scheduling.py);
 the default, fcfs, is the schedule described above. A policy may also preempt
 running requests so that waiting ones it prefers can run (`rebalance`); those
 are preempted before the running requests are scheduled, and unlike a preemption
-for blocks they do not stop admission in that step.
+for blocks they do not stop admission in that step. And it may ask whoever drives
+the engine to wait a moment for an arrival before the next schedule
+(`anticipation`: fair's wait for a tenant about to come back).
 No torch here.
 """
 
@@ -110,6 +112,10 @@ class Scheduler:
         self.policy.enqueue(self.waiting, request)
 
     # -- one step ------------------------------------------------------
+    def anticipation(self) -> float:
+        """Seconds the policy asks to wait for an arrival before the next schedule (fcfs: 0)."""
+        return self.policy.anticipation(self.running, self.waiting)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks: running requests first, then waiting ones."""
         budget = self.config.max_batched_tokens

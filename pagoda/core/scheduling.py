@@ -5,6 +5,7 @@ its questions, so no policy can break an invariant the audit checks, and because
 lives on the request, no policy changes an answer (only when it is computed). The questions:
 
     enqueue / requeue   where a new arrival / a preempted request goes in the waiting deque
+    anticipation        seconds the engine should wait for a request before this step (0: none; fcfs: 0)
     start_step          once per schedule(), before anything is handed out (a policy's per-step state)
     rebalance           running requests to preempt so that better-placed waiting ones can run
     grant               how many of the step's tokens a request may take now (<= what it wants and the budget)
@@ -38,6 +39,18 @@ to their weights (Request.weight; a tenant's is its latest request's):
     weighted share owed (this step's fraction plus a carried deficit), so a tenant that wants its share gets at
     least floor(budget * w / W) tokens in a step, and over steps its share to within one token.
   * preemption for blocks takes the newest request of the tenant with the most L.
+  * anticipation: a tenant whose last request ended in the step before (it ran then, and now has nothing
+    running or waiting) keeps one slot empty for this one step, while anything else runs. A client in a loop
+    sends its next request a few milliseconds after its answer ends; without the hold the slot goes to another
+    tenant's queue head at once, and the returning request waits for that step (often a prompt) and then
+    preempts it, wasting the work. And when the tenant came back within its hold the last time, the engine
+    waits up to `anticipation_s` (10 ms) before the step for its next request (an arrival ends the wait), so
+    that request does not wait out a whole step either. This is anticipatory scheduling (Iyer and Druschel,
+    SOSP 2001), with its rule of waiting only for a client whose history says it will come back: a tenant that
+    leaves for good costs one held slot for one step, and at most one wait. The policy is not work-conserving
+    by one slot per departed tenant for one step, and never empties a step (with nothing else running the slot
+    is not held). The share bound above is unchanged: it is stated while every tenant is backlogged, and a
+    held tenant is not.
 This is weighted max-min fairness recomputed every step (deficit round robin with one round per step, its
 quantum the weighted share of the budget); a tenant's deficit is not carried between steps because the scheduler
 sees every tenant's whole demand each step.
@@ -68,6 +81,10 @@ class SchedulingPolicy:
     def requeue(self, waiting: deque[Request], request: Request) -> None:
         """Put a preempted request back into the waiting queue."""
         waiting.appendleft(request)
+
+    def anticipation(self, running: Sequence[Request], waiting: deque[Request]) -> float:
+        """Seconds the engine should wait for an arrival before this step's schedule (an arrival ends the wait)."""
+        return 0.0
 
     def start_step(self, running: Sequence[Request], waiting: deque[Request], budget: int, max_running: int) -> None:
         """Called once at the top of every schedule(), before any other decision of the step."""
@@ -138,6 +155,7 @@ class FairPolicy(SchedulingPolicy):
 
     name = "fair"
     description = "tenants share running slots and step tokens by weight; preempts from the most over its share"
+    anticipation_s = 0.010  # the longest wait for a departed tenant's next request (the design note)
 
     def __init__(self) -> None:
         self.weights: dict[str | None, float] = {}  # tenant -> its latest request's weight
@@ -145,6 +163,9 @@ class FairPolicy(SchedulingPolicy):
         self.queues: dict[str | None, deque[Request]] = {}  # this step: each tenant's waiting requests, in order
         self.grants: dict[str | None, int] = {}  # this step: tokens each tenant may still take
         self.carry: dict[str | None, float] = {}  # tokens the rounding owes each backlogged tenant (water_fill)
+        self.held: set[str | None] = set()  # this step: tenants whose last request ended in the step before
+        self.came_back: dict[str | None, bool] = {}  # whether a tenant's next request came within its last hold
+        self.max_running = 0
 
     def enqueue(self, waiting: deque[Request], request: Request) -> None:
         self.weights[request.tenant] = request.weight
@@ -165,8 +186,19 @@ class FairPolicy(SchedulingPolicy):
     def _load(self, tenant: str | None) -> float:
         return self.running_count.get(tenant, 0) / self._weight(tenant)
 
+    def anticipation(self, running: Sequence[Request], waiting: deque[Request]) -> float:
+        if not (running or waiting):
+            return 0.0  # nothing else to do: the engine is idle until a request comes anyway
+        ran = {t for t, n in self.running_count.items() if n > 0 and self.came_back.get(t, False)}
+        if not ran:
+            return 0.0
+        departed = ran - {r.tenant for r in running} - {r.tenant for r in waiting}  # ran, nothing now
+        return self.anticipation_s if departed else 0.0
+
     def start_step(self, running: Sequence[Request], waiting: deque[Request], budget: int, max_running: int) -> None:
         demand: dict[str | None, int] = {}
+        ran = {t for t, n in self.running_count.items() if n > 0}  # at the end of the step before
+        self.max_running = max_running
         self.running_count = {}
         for r in running:
             self.running_count[r.tenant] = self.running_count.get(r.tenant, 0) + 1
@@ -180,12 +212,23 @@ class FairPolicy(SchedulingPolicy):
             if demand.get(r.tenant, 0) < budget:
                 demand[r.tenant] = demand.get(r.tenant, 0) + r.num_tokens
         self.grants = water_fill(budget, demand, {t: self._weight(t) for t in demand}, self.carry)
+        for t in self.held:  # held in the step before: did its next request come within the hold?
+            self.came_back[t] = t in demand
+        for t in ran - self.running_count.keys():  # its requests ended and its next came before this schedule
+            if t in self.queues:
+                self.came_back[t] = True
+        self.held = ran - demand.keys()  # ran then, nothing running or waiting now: its slot is held this step
+
+    def _free_slots(self, running: Sequence[Request]) -> int:
+        """Slots another tenant may take now: the held ones are kept while something else runs."""
+        free = self.max_running - len(running)
+        return free - len(self.held) if running else free
 
     def rebalance(self, running: Sequence[Request], waiting: deque[Request], max_running: int) -> list[Request]:
         """Preempt while a waiting tenant t and a running tenant u have L_t + 1/w_t < L_u (slots full)."""
         if not waiting:
             return []
-        free = max_running - len(running)
+        free = self._free_slots(running)
         load = dict(self.running_count)
         queued = {t: len(q) for t, q in self.queues.items()}
         by_tenant: dict[str | None, list[Request]] = {}
@@ -220,6 +263,8 @@ class FairPolicy(SchedulingPolicy):
         return n
 
     def next_waiting(self, waiting: deque[Request], running: Sequence[Request]) -> Request | None:
+        if self._free_slots(running) <= 0:
+            return None
         best, best_key = None, None
         for tenant, queue in self.queues.items():
             if not queue or self.grants.get(tenant, 0) <= 0:

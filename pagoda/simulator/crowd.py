@@ -175,10 +175,11 @@ def agent_crowd(
 
 def noisy_neighbour_crowd(
     seed: int, streams: int = 64, turns: int = 8, neighbour_turns: int = 8, prompt_len: int = 8,
-    max_tokens: int = 16, weights: tuple[float, float] = (1.0, 1.0), vocab_size: int = 256,
+    max_tokens: int = 16, weights: tuple[float, float] = (1.0, 1.0), vocab_size: int = 256, pause: float = 0.0,
 ) -> list[ClientPlan]:
-    """Tenant "A" keeps `streams` streams open in closed loops (each stream's next request is sent the moment its
-    last ends, `turns` requests per stream); tenant "B" sends one request at a time (`neighbour_turns` of them).
+    """Tenant "A" keeps `streams` streams open in closed loops (each stream's next request is sent `pause` seconds
+    after its last ends, `turns` requests per stream); tenant "B" sends one request at a time (`neighbour_turns` of
+    them, with the same pause).
     Each stream is a chat (a follow-up's prompt is the last prompt, its answer and a new message); answers ignore
     EOS. Each turn has its own cache salt, so it computes its whole prompt as its solo rerun does: the TTFT alone
     (`tenants[...]["ttft_alone_p50"]`) compares like with like."""
@@ -188,7 +189,8 @@ def noisy_neighbour_crowd(
         for s in range(num_streams):
             for t in range(num_turns):
                 plans.append(ClientPlan(
-                    client_id=f"{name}{s:03d}-t{t:03d}", arrival=0.0, prompt=_tokens(rng, prompt_len, vocab_size),
+                    client_id=f"{name}{s:03d}-t{t:03d}", arrival=pause if t else 0.0,
+                    prompt=_tokens(rng, prompt_len, vocab_size),
                     max_tokens=max_tokens, ignore_eos=True, tenant=name, weight=weight, cache_salt=f"{name}{s:03d}-t{t:03d}",
                     after=f"{name}{s:03d}-t{t - 1:03d}" if t else None,
                 ))

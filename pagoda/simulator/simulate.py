@@ -241,6 +241,11 @@ class _CrowdRun:
                 if not self.engine.has_unfinished():
                     self.clock.advance_to(self.events[0][0])
                 self._fire_due_events()
+                wait = self.engine.anticipation() if self.engine.has_unfinished() else 0.0
+                if wait > 0:  # the policy waits for a request: the clock runs to the next event or by `wait`
+                    self.clock.advance_to(min(self.clock.now + wait, self.events[0][0]) if self.events
+                                          else self.clock.now + wait)
+                    self._fire_due_events()
                 if self.engine.has_unfinished():
                     self._step()
             self.engine.audit()

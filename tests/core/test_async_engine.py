@@ -10,6 +10,7 @@ import pytest
 from pagoda.core.async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import AdmissionError
+from pagoda.core.scheduling import SchedulingPolicy
 from tests.helpers import await_condition, fake_engine, run
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
@@ -361,3 +362,45 @@ def test_generate_keys_the_prefix_cache_by_salt_and_tenant():
         assert asyncio.run(asyncio.wait_for(run(), 60)) == [0, 0, 16, 0, 16]
     finally:
         loop_engine.stop()
+
+
+class Anticipating(SchedulingPolicy):
+    """fcfs, but asks the loop to wait `wait` seconds before each of the next `times` steps, and says when."""
+
+    def __init__(self):
+        self.wait, self.times = 0.0, 0
+        self.asked = threading.Event()
+
+    def anticipation(self, running, waiting):
+        if self.times <= 0:
+            return 0.0
+        self.times -= 1
+        self.asked.set()
+        return self.wait
+
+
+def test_the_loop_waits_as_the_policy_asks_and_an_arrival_ends_the_wait(make_engine):
+    async_engine = make_engine(max_running=2)
+    policy = async_engine.engine.scheduler.policy = Anticipating()
+
+    async def main():
+        a = async_engine.generate([1, 2, 3], SamplingParams(max_tokens=60, temperature=0), "a")
+        await anext(a)
+        policy.wait, policy.times = 3600.0, 1  # far past the test's deadline: only an arrival can end this wait
+        await asyncio.to_thread(policy.asked.wait, 30)
+        b = async_engine.generate([4, 5], SamplingParams(max_tokens=2, temperature=0), "b")
+        first = await asyncio.wait_for(anext(b), 30)  # the arrival ended the wait: b's prefill step ran
+        return first, [out async for out in b], [out async for out in a]
+
+    first, rest, outs = run(main())
+    assert first.new_token_ids and rest[-1].finished and outs[-1].finished
+    run(assert_pool_whole(async_engine))
+
+
+def test_a_wait_with_no_arrival_ends_by_itself(make_engine):
+    async_engine = make_engine()
+    policy = async_engine.engine.scheduler.policy = Anticipating()
+    policy.wait, policy.times = 0.01, 1000  # before every step of this request; nothing arrives to end a wait
+    outs = run(collect(async_engine, [1, 2], SamplingParams(max_tokens=5, temperature=0)))
+    assert outs[-1].finished and outs[-1].num_output_tokens == 5
+    assert policy.times <= 1000 - 4  # it waited before the steps after the first

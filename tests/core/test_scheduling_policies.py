@@ -12,6 +12,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduling import (
     BUILTIN_POLICIES, FairPolicy, PriorityPolicy, SchedulingPolicy, make_policy, water_fill,
 )
+from tests.helpers import advance
 
 
 def make(policy=None, num_blocks=256, block_size=4, max_running=4, max_batched_tokens=64):
@@ -29,13 +30,7 @@ def req(rid, prompt_len=4, max_tokens=4, tenant=None, priority=0, weight=1.0, ar
 def step(s):
     """One schedule, then what the runner and engine would do: tokens computed, one sampled, finished ones out."""
     batch = s.schedule()
-    for chunk in batch.chunks:
-        chunk.request.num_computed_tokens = chunk.end
-        if chunk.samples:
-            chunk.request.output_token_ids.append(7)
-            if chunk.request.num_output_tokens >= chunk.request.sampling_params.max_tokens:
-                s.remove(chunk.request)
-    s.audit()
+    advance(s, batch)
     return batch
 
 
@@ -156,3 +151,78 @@ def test_every_policy_drains_a_tight_pool_with_the_audit_passing_after_every_ste
         step(s)
     assert not s.running and not s.waiting
     assert s.block_manager.num_free_blocks == 12
+
+
+def test_fair_holds_a_departed_tenants_slot_for_one_step_so_its_next_request_preempts_nobody():
+    """B's request ends; its slot stays empty for the step after (A's queue head does not take it), and B's next
+    request, arriving during that step, is admitted into it without a preemption."""
+    s = make(FairPolicy(), max_running=2)
+    for i in range(6):
+        s.add(req(f"a{i}", tenant="A", max_tokens=20))
+    s.add(req("b0", tenant="B", max_tokens=2))
+    step(s)
+    assert running_by_tenant(s) == {"A": 1, "B": 1}
+    step(s)  # b0's second token: it ends
+    assert running_by_tenant(s) == {"A": 1}
+    batch = step(s)
+    assert running_by_tenant(s) == {"A": 1}  # held: a1 waits although a slot is free
+    assert [c.request.request_id for c in batch.chunks] == ["a0"]
+    s.add(req("b1", tenant="B", max_tokens=2))
+    batch = step(s)
+    assert batch.preempted_ids == [] and running_by_tenant(s) == {"A": 1, "B": 1}
+    assert s.num_preemptions == 0
+
+
+def test_fair_gives_a_held_slot_away_when_its_tenant_does_not_come_back():
+    s = make(FairPolicy(), max_running=2)
+    for i in range(6):
+        s.add(req(f"a{i}", tenant="A", max_tokens=20))
+    s.add(req("b0", tenant="B", max_tokens=1))
+    step(s)  # b0 ends in its first step
+    step(s)  # held
+    assert running_by_tenant(s) == {"A": 1}
+    step(s)  # B sent nothing: the slot is A's again
+    assert running_by_tenant(s) == {"A": 2}
+
+
+def test_fair_never_empties_a_step_to_hold_a_slot():
+    """With one slot, holding it would leave the engine idle: the waiting request runs at once."""
+    s = make(FairPolicy(), max_running=1)
+    s.add(req("b0", tenant="B", max_tokens=1))
+    s.add(req("a0", tenant="A", max_tokens=4))
+    step(s)
+    batch = step(s)
+    assert [c.request.request_id for c in batch.chunks] == ["a0"]
+
+
+def test_fair_waits_for_a_departed_tenant_only_once_it_has_come_back_within_its_hold():
+    """The engine is asked to wait (FairPolicy.anticipation_s) before a step only for a tenant whose request just
+    ended and whose next request came promptly the time before: a tenant that leaves for good costs no wait."""
+    s = make(FairPolicy(), max_running=2)
+    for i in range(6):
+        s.add(req(f"a{i}", tenant="A", max_tokens=30))
+    s.add(req("b0", tenant="B", max_tokens=1))
+    step(s)  # b0 ends in its first step
+    assert s.anticipation() == 0.0  # B has no history: no wait (its slot is still held for the step)
+    step(s)
+    s.add(req("b1", tenant="B", max_tokens=1))  # it came back within the hold
+    step(s)  # b1 runs and ends
+    assert s.anticipation() == FairPolicy.anticipation_s
+    s.add(req("b2", tenant="B", max_tokens=1))  # it comes back during the wait: admitted at once
+    assert s.anticipation() == 0.0
+    batch = step(s)
+    assert "b2" in [c.request.request_id for c in batch.chunks] and batch.preempted_ids == []
+    assert s.anticipation() == FairPolicy.anticipation_s  # b2 ended too
+    step(s)  # B does not come back this time: the slot is held for one step, then no more waits for B
+    step(s)
+    assert s.anticipation() == 0.0 and running_by_tenant(s) == {"A": 2}
+
+
+def test_fcfs_and_priority_never_wait():
+    for policy in (SchedulingPolicy(), PriorityPolicy()):
+        s = make(policy, max_running=2)
+        s.add(req("b0", tenant="B", max_tokens=1))
+        s.add(req("a0", tenant="A", max_tokens=8))
+        for _ in range(3):
+            step(s)
+            assert s.anticipation() == 0.0

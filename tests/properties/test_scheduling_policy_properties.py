@@ -14,6 +14,7 @@ from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduling import BUILTIN_POLICIES, FairPolicy
 from pagoda.simulator.crowd import ClientPlan
 from pagoda.simulator.simulate import SimulationConfig, simulate
+from tests.helpers import advance
 
 POLICIES = sorted(BUILTIN_POLICIES)
 
@@ -96,11 +97,40 @@ def test_fair_never_leaves_a_backlogged_tenant_a_slot_short_of_its_weighted_shar
             note(f"running {running}, weights {weight}")
             for t in tenants:
                 assert running[t] >= max_running * weight[t] / total_weight - 1 - 1e-9
-        for chunk in batch.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if chunk.samples:
-                chunk.request.output_token_ids.append(7)
-                if chunk.request.num_output_tokens >= max_tokens:
-                    scheduler.remove(chunk.request)
-        scheduler.audit()
+        advance(scheduler, batch)
+    assert not scheduler.running and not scheduler.waiting
+
+
+@given(
+    arrivals=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.integers(1, 6)), min_size=1, max_size=40),
+    weights=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=3, max_size=3),
+    max_running=st.integers(1, 6),
+)
+def test_fair_leaves_a_slot_empty_only_for_the_step_after_its_tenants_request_ended(arrivals, weights, max_running):
+    """fair is work-conserving but for its anticipation: while requests wait, the slots it leaves empty are at most
+    one for each tenant whose requests all ended in the step before (it ran then; nothing of it runs or waits
+    now), and only while something else runs. Tenants come and go: (tenant, the step it arrives at, max_tokens)."""
+    tenants = [f"t{i}" for i in range(3)]
+    config = EngineConfig(num_blocks=6 * 16 + 8, block_size=1, max_running=max_running, max_batched_tokens=6 * 16,
+                          max_model_len=16, speculative=None)
+    scheduler = Scheduler(config, BlockManager(config.num_blocks, 1, True), policy=FairPolicy())
+    by_step: dict[int, list[tuple[int, int]]] = {}
+    for i, (t, at, max_tokens) in enumerate(arrivals):
+        by_step.setdefault(at, []).append((i, t, max_tokens))
+    ran: set[str] = set()
+    for n in range(10_000):
+        for i, t, max_tokens in by_step.pop(n, []):
+            scheduler.add(Request(f"r{i}", [i % 200 + 1, 3, 5], SamplingParams(max_tokens=max_tokens),
+                                  arrival_time=float(n), tenant=tenants[t], weight=weights[t]))
+        if not (scheduler.running or scheduler.waiting or by_step):
+            break
+        present = {r.tenant for r in scheduler.running} | {r.tenant for r in scheduler.waiting}
+        departed = ran - present
+        batch = scheduler.schedule()
+        empty = max_running - len(scheduler.running)
+        if scheduler.waiting:
+            note(f"step {n}: departed {departed}, running {len(scheduler.running)}, waiting {len(scheduler.waiting)}")
+            assert empty <= (len(departed) if scheduler.running else 0)
+        ran = {r.tenant for r in scheduler.running}
+        advance(scheduler, batch)
     assert not scheduler.running and not scheduler.waiting
