@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--clients is ignored)")
     p.add_argument("--policy", default=EngineConfig.scheduling_policy, choices=tuple(BUILTIN_POLICIES),
                    help="the scheduling policy (default fcfs); a crowd's plans may carry tenant, priority and weight")
+    p.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                   help="noisy-neighbour: virtual seconds a client takes between an answer and its next request "
+                        "(default 0: at once)")
     p.add_argument("--arrival-rate", type=float,
                    help="new clients (first turns) per virtual second; default: the shape's own spacing")
     p.add_argument("--replicas", type=int, default=1, help="engines behind a simulated router (default 1: no router)")
@@ -59,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--replicas must be >= 1")
     if args.arrival_rate is not None and args.arrival_rate <= 0:
         raise SystemExit("--arrival-rate must be > 0")
+    if args.think_time < 0:
+        raise SystemExit("--think-time must be >= 0")
     plans = load_crowd(args.crowd) if args.crowd else make_crowd(args.crowd_shape, args.seed, args.clients,
-                                                                 args.hangup_fraction, args.arrival_rate)
+                                                                 args.hangup_fraction, args.arrival_rate,
+                                                                 args.think_time)
     if args.save_crowd:
         with open(args.save_crowd, "w") as f:
             f.write(crowd_to_json(plans))
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def make_crowd(shape: str, seed: int, clients: int, hangup_fraction: float, rate: float | None) -> list[ClientPlan]:
+def make_crowd(shape: str, seed: int, clients: int, hangup_fraction: float, rate: float | None,
+               think_time: float = 0.0) -> list[ClientPlan]:
     """`clients` plans of the shape; chats and agents are cut to `clients` plans (whole conversations first)."""
     if shape == "mixed":
         window = {} if rate is None else {"arrival_window": clients / rate}
@@ -103,7 +110,7 @@ def make_crowd(shape: str, seed: int, clients: int, hangup_fraction: float, rate
         gap = {} if rate is None else {"arrival_gap": 1 / rate}
         return shared_prefix_crowd(seed, clients=clients, **gap)
     if shape == "noisy-neighbour":
-        return noisy_neighbour_crowd(seed)
+        return noisy_neighbour_crowd(seed, pause=think_time)
     sessions = -(-clients // 3)
     window = {} if rate is None else {"arrival_window": sessions / rate}
     if shape == "chat":

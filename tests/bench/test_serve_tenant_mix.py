@@ -140,18 +140,42 @@ def test_prompts_differ_between_phases_tenants_and_requests_and_repeat_for_a_see
     assert alone("B", 3) == mix.prompts(0, "alone", 8, 4)("B", 3) and len(alone("B", 3).text.split()) == 8
 
 
+def test_think_time_pauses_are_exponential_seeded_and_none_at_zero():
+    assert mix.pauses(0, "mix", 0.0) is None
+    pause = mix.pauses(0, "mix", 0.02)
+    values = [pause(t, i) for t in "AB" for i in range(500)]
+    assert len(set(values)) == len(values) and min(values) >= 0
+    assert 0.015 < sum(values) / len(values) < 0.025  # mean 20 ms
+    assert pause("B", 7) == mix.pauses(0, "mix", 0.02)("B", 7) != mix.pauses(0, "alone", 0.02)("B", 7)
+    assert parse_args(["--tenant-mix", "A:4,B:1", "--think-time", "0.02"]).think_time == 0.02
+
+
+def run_loops(server, streams: dict[str, int], max_tokens: int, **kw) -> dict[str, LevelRun]:
+    """tenant_loops against a live server without keys, until B has sent and finished 3 requests."""
+    async def go():
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
+            targets = {name: Target("pagoda", server.url, model=server.model_name) for name in streams}
+            cfg = load.LoadConfig(progress=False, request_timeout=60)
+            return await load.tenant_loops(http, targets, streams, cfg,
+                                           lambda t, i: Prompt(f"{t} {i} hello", max_tokens), "B", 3,
+                                           asyncio.get_running_loop().time() + 60, **kw)
+
+    return asyncio.run(go())
+
+
+def test_tenant_loops_pause_before_each_request(tiny_server):
+    """A pause of 0.3 s before each of the neighbour's requests: each one starts at least that long after the
+    one before it ended, on the loops' own clock."""
+    b = sorted(run_loops(tiny_server, {"A": 1, "B": 1}, 2, pause=lambda t, i: 0.3)["B"].records,
+               key=lambda r: r.start)
+    assert len(b) == 3 and all(r.ok for r in b) and b[0].start >= 0.3
+    assert all(later.start - (earlier.start + earlier.e2e) >= 0.3 for earlier, later in zip(b, b[1:]))
+
+
 def test_tenant_loops_stop_the_others_when_the_neighbour_is_done(tiny_server):
     """Against a live server without keys: the neighbour's requests run to their count, the other tenant's loop
     is stopped then, and every record names its tenant on one clock."""
-    async def go():
-        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
-            targets = {name: Target("pagoda", tiny_server.url, model=tiny_server.model_name) for name in "AB"}
-            cfg = load.LoadConfig(progress=False, request_timeout=60)
-            return await load.tenant_loops(http, targets, {"A": 3, "B": 1}, cfg,
-                                           lambda t, i: Prompt(f"{t} {i} hello", 4), "B", 3,
-                                           asyncio.get_running_loop().time() + 60)
-
-    runs = asyncio.run(go())
+    runs = run_loops(tiny_server, {"A": 3, "B": 1}, 4)
     b, a = runs["B"].records, runs["A"].records
     assert [r.index for r in b] == [0, 1, 2] and all(r.ok and r.tenant == "B" for r in b)
     assert a and all(r.tenant == "A" and (r.ok or r.error == load.STOPPED) for r in a)

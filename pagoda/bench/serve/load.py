@@ -151,10 +151,11 @@ async def chat(http: httpx.AsyncClient, target: Target, cfg: LoadConfig, convs: 
 
 async def tenant_loops(http: httpx.AsyncClient, targets: dict[str, Target], streams: dict[str, int], cfg: LoadConfig,
                        prompt: Callable[[str, int], Prompt], until: str, num_requests: int,
-                       deadline: float) -> dict[str, LevelRun]:
+                       deadline: float, pause: Callable[[str, int], float] | None = None) -> dict[str, LevelRun]:
     """Each tenant's streams in closed loops, each tenant with its own target (its key), until tenant `until` has
     sent and finished `num_requests`; the other tenants keep sending until then, and what they have in flight is
-    cancelled then (recorded so, with what streamed before). Request i of tenant t sends `prompt(t, i)`.
+    cancelled then (recorded so, with what streamed before). Request i of tenant t sends `prompt(t, i)`, after
+    a pause of `pause(t, i)` seconds when given (a client's own time between an answer and its next request).
     One clock for all: record starts are seconds since the loops began."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -167,6 +168,8 @@ async def tenant_loops(http: httpx.AsyncClient, targets: dict[str, Target], stre
 
         async def client() -> None:
             for i in counter:  # shared: each index is taken by exactly one of the tenant's streams
+                if pause is not None:
+                    await asyncio.sleep(pause(name, i))
                 p = prompt(name, i)
                 await levels[name].send(i, cfg.endpoint, p.text, p.max_tokens)
 

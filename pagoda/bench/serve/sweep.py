@@ -83,7 +83,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--system-tokens", type=int, default=1000, help="chat: the shared system prompt's words (~tokens)")
     g.add_argument("--user-tokens", type=int, default=24, help="chat: words (~tokens) in each user message")
     g.add_argument("--think-time", type=float, default=0.0, metavar="S",
-                   help="chat: mean seconds a user pauses before each turn (exponential; 0: none, turns back to back)")
+                   help="chat: mean seconds a user pauses before each turn; --tenant-mix: before each request"
+                        " (exponential; 0: none, back to back)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-warmup", action="store_true", help="skip the one unrecorded request per server")

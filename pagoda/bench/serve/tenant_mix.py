@@ -8,6 +8,8 @@
                for --num-requests (its TTFT alone, on the same server); then every tenant's loops run until the
                neighbour has finished --num-requests more, and the others' loops stop (what they have in flight
                is cancelled; the tokens it had streamed still count)
+    pauses     --think-time S: each stream pauses before each request (exponential, mean S), as a client's own
+               work between an answer and its next request does; 0 (the default): back to back
     report     per tenant: requests, TTFT p50/p90, generated tokens, tokens/s, share while active; for the
                neighbour its TTFT p50 over its TTFT alone
 
@@ -328,6 +330,14 @@ def prompts(seed: int, phase: str, input_len: int, output_len: int) -> Callable[
     return lambda tenant, i: Prompt(words(input_len, random.Random(f"{seed}:{phase}:{tenant}:{i}")), output_len)
 
 
+def pauses(seed: int, phase: str, think_s: float) -> Callable[[str, int], float] | None:
+    """Before request i of tenant t in `phase`: an exponential pause of mean `think_s` (None when 0), seeded by
+    all three, so both policies' servers see the same pauses."""
+    if think_s <= 0:
+        return None
+    return lambda tenant, i: random.Random(f"{seed}:think:{phase}:{tenant}:{i}").expovariate(1 / think_s)
+
+
 async def _health(http: httpx.AsyncClient, url: str) -> dict | None:
     try:
         resp = await http.get(url + "/health", timeout=30)
@@ -358,11 +368,11 @@ async def measure(args: argparse.Namespace, url: str, policy: str, keys: dict[st
                     raise RuntimeError(f"the warm-up request of tenant {name} to {url} failed: {warm.error}")
         alone = await load.tenant_loops(http, {until: targets[until]}, {until: streams[until]}, cfg,
                                         prompts(args.seed, "alone", args.input_len, args.output_len), until,
-                                        args.num_requests, deadline)
+                                        args.num_requests, deadline, pauses(args.seed, "alone", args.think_time))
         before = await _health(http, url)
         mix = await load.tenant_loops(http, targets, streams, cfg,
                                       prompts(args.seed, "mix", args.input_len, args.output_len), until,
-                                      args.num_requests, deadline)
+                                      args.num_requests, deadline, pauses(args.seed, "mix", args.think_time))
         after = await _health(http, url)
     summary = summarize(policy, alone[until], mix, streams, until, slots, (before, after))
     records = [{"policy": policy, "phase": phase, **r.to_json()}
