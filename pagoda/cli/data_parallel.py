@@ -21,7 +21,8 @@ with the router's URL. Everything the children print goes to stderr, each line t
   1 when none is, or when the router dies.
 - Stopping: SIGTERM or SIGINT sends SIGTERM to the router and every replica at once; each drains within
   --shutdown-timeout; what is left after that plus STOP_MARGIN_S (or at a second signal) is killed.
-- SIGHUP is passed on to the replicas, so each re-reads its --api-keys-file as a lone `pagoda serve` does.
+- SIGHUP is passed on to the replicas and the router, so each re-reads the --api-keys-file as a lone `pagoda serve`
+  does (the router checks the keys too, and keys each tenant's prompts as the replicas' caches do).
 """
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ def replica_command(command_line: Sequence[str]) -> list[str]:
 
 def router_command(args: argparse.Namespace, replica_urls: Sequence[str], policy: str) -> list[str]:
     """The router's `pagoda` arguments: the replicas, the policy, and serve's host, port and shared options."""
+    keys = ["--api-keys-file", args.api_keys_file] if args.api_keys_file is not None else []
     return ["router", *(a for url in replica_urls for a in ("--replica", url)), "--policy", policy,
             "--host", args.host, "--port", str(args.port), "--model", args.model, "--tool-parser", args.tool_parser,
             "--max-body-bytes", str(args.max_body_bytes), "--shutdown-timeout", str(args.shutdown_timeout),
-            "--log-level", args.log_level]
+            "--log-level", args.log_level, *keys]
 
 
 def threads_per_replica(size: int) -> int:
@@ -188,10 +190,11 @@ class Supervisor:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     output_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def hang_up_replicas(self) -> None:
-        """SIGHUP, passed on to every live replica: each re-reads its --api-keys-file (the router holds no keys file)."""
+    def hang_up(self) -> None:
+        """SIGHUP, passed on to every live child that is ready (its handler is installed by then; before, the signal
+        would end it): the replicas and the router each re-read the --api-keys-file."""
         for child in list(self.children):
-            if child.name.startswith("replica") and child.alive:
+            if child.alive and child.ready_line is not None:
                 child.process.send_signal(signal.SIGHUP)
 
     def run(self) -> int:
@@ -344,7 +347,7 @@ def run_data_parallel(args: argparse.Namespace, command_line: Sequence[str] | No
         return 2
     previous = {s: signal.signal(s, lambda signum, _frame: supervisor.events.put(Signalled(signum)))
                 for s in (signal.SIGTERM, signal.SIGINT)}
-    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _signum, _frame: supervisor.hang_up_replicas())
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _signum, _frame: supervisor.hang_up())
     try:
         return supervisor.run()
     finally:

@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=defaults.host)
     p.add_argument("--port", type=int, default=defaults.port, help="0 = let the system pick a free port (printed)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="the replicas' keys file: keys are checked here, and the prefix policy keys each tenant's "
+                        "prompts as the replicas' caches do; re-read on SIGHUP")
     p.add_argument("--max-queue-per-replica", type=int, default=defaults.max_queue_per_replica, metavar="N",
                    help="requests in flight through the router per replica; when every healthy one is full: 429")
     p.add_argument("--health-interval", type=float, default=defaults.health_interval, metavar="SECONDS",
@@ -68,7 +71,8 @@ def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
         tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         cache_threshold=args.cache_threshold,
-        api_key=args.api_key or environ.get(API_KEY_ENV) or None, max_queue_per_replica=args.max_queue_per_replica,
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None, api_keys_file=args.api_keys_file,
+        max_queue_per_replica=args.max_queue_per_replica,
         health_interval=args.health_interval, health_timeout=args.health_timeout, seed=args.seed,
         max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagoda router: {exc}", file=sys.stderr)
         return 2
     from pagoda.api.server import run_server
+    from pagoda.api.tenants import reload_on_sighup
     from pagoda.plugins.manager import PluginError
     from pagoda.router.app import create_router_app
 
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
     def ready(url: str) -> None:
         print(f"pagoda router at {url}", flush=True)
+
+    app.on_startup.append(lambda: reload_on_sighup(app.state.tenants))  # the process's signal: `pagoda router` only
 
     run_server(app, settings.host, settings.port, ready, log_level=settings.log_level,
                timeout_graceful_shutdown=settings.shutdown_timeout)

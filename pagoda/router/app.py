@@ -19,6 +19,7 @@ from litestar import Litestar, Response, asgi, get
 from litestar.types import Receive, Scope, Send
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagoda.api.tenants import TenantTable
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.plugins.manager import collect_tool_parsers, load_plugins
 from pagoda.router.metrics import RouterMetrics
@@ -43,7 +44,9 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
                          settings.cache_threshold)
     fleet = Fleet(settings.replicas, policy, settings.max_queue_per_replica)
     metrics = RouterMetrics(fleet)
-    proxy = Proxy(fleet, table, metrics, settings, prompt_reader(settings, plugins) if policy.reads_prompt else None)
+    tenants = TenantTable(settings.api_key, settings.api_keys_file)  # a bad keys file: KeysFileError, a ValueError
+    proxy = Proxy(fleet, table, metrics, settings, tenants,
+                  prompt_reader(settings, plugins, tenants) if policy.reads_prompt else None)
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
@@ -84,15 +87,16 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
 
     app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None)
     app.state.fleet = fleet  # read by tests and by whoever embeds a router
+    app.state.tenants = tenants  # `pagoda router` re-reads its keys file on SIGHUP
     return app
 
 
-def prompt_reader(settings: RouterSettings, plugins: pluggy.PluginManager) -> PromptReader:
+def prompt_reader(settings: RouterSettings, plugins: pluggy.PluginManager, tenants: TenantTable) -> PromptReader:
     """Reads prompts with the replicas' tokenizer and tool parser (the model directory's, no weights)."""
     if settings.model_dir is None:
         raise ValueError("the prefix policy reads prompts with the replicas' tokenizer: give the model (--model)")
     parsers = collect_tool_parsers(plugins)
     if settings.tool_parser is not None and settings.tool_parser not in parsers:
         raise ValueError(f"tool_parser {settings.tool_parser!r} is not registered; registered: {', '.join(parsers)}")
-    return PromptReader(Tokenizer.from_dir(settings.model_dir), settings.api_key,
+    return PromptReader(Tokenizer.from_dir(settings.model_dir), tenants,
                         parsers[settings.tool_parser] if settings.tool_parser else None)

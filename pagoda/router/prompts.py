@@ -4,14 +4,18 @@ are shared under, read exactly as a replica reads them.
 Design note. The prefix cache keys on token blocks, not text, so the router renders a request as a replica
 does: the body is decoded strictly (pagoda.api.body) into the endpoint's own struct, and the endpoint's
 `prepare` (the same plugin code the replica runs) renders the chat template and tokenizes, with the model's
-tokenizer loaded here (no weights). The keys are the body's `cache_salt` and the tenant the presented key
-names (pagoda.api.auth.key_tenant, as the replica computes it). A body the replica will refuse, a path that is
+tokenizer loaded here (no weights). The keys are the body's `cache_salt` and the prefix-cache key of the
+tenant the presented key names, from the same `--api-key` / `--api-keys-file` the replicas have
+(pagoda.api.tenants.TenantTable, as a replica matches it). A body the replica will refuse, a path that is
 not a generation endpoint, or any failure to render gives no prompt: the policy then balances by load alone,
 and the replica answers the request as it would have anyway. For a request with several prompts (a
 completions batch, `n` > 1) the first prompt decides.
 
-Rendering runs on the router's event loop: a chat prompt of a few thousand tokens takes about a millisecond
-to template and tokenize, against the tens to hundreds of milliseconds a replica spends on its prefill.
+Reading runs in a worker thread (the proxy's `asyncio.to_thread`), not on the event loop that relays every
+other stream: a prompt of 4,000 tokens takes about 40 ms to render and tokenize on one core of the machine in
+docs/distributed.md, which on the loop would stall every stream the router relays for that long. Tokenizing,
+about 95% of it, releases the GIL, so prompts are also read side by side on several cores. A reader keeps no
+state between calls (the tokenizer is safe to share between threads).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.types import Scope
 
-from pagoda.api.auth import key_tenant
+from pagoda.api.auth import offered_keys
+from pagoda.api.tenants import TenantTable
 from pagoda.api.body import decode_body
 from pagoda.core.routing import RouteRequest
 from pagoda.core.tokenizer import Tokenizer
@@ -37,10 +42,11 @@ UNBOUNDED = 1 << 40  # the router enforces no context or pool limit: the replica
 class PromptReader:
     """Reads `RouteRequest`s from request bodies with one model's tokenizer and chat template."""
 
-    def __init__(self, tokenizer: Tokenizer, api_key: str | None = None, tool_parser: ToolParser | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, tenants: TenantTable | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         self.context = ServeContext(tokenizer=tokenizer, model_name="", max_model_len=UNBOUNDED,
                                     max_kv_tokens=UNBOUNDED, tool_parser=tool_parser)
-        self.api_key = api_key
+        self.tenants = tenants if tenants is not None else TenantTable()  # no keys: one tenant, a shared cache
 
     def read(self, endpoint: Endpoint | None, body: bytes, scope: Scope) -> RouteRequest | None:
         """The request's first prompt and its cache keys; None when the router cannot tell them."""
@@ -54,5 +60,5 @@ class PromptReader:
         except Exception as exc:  # the replica will answer it (most often its 4xx): routing by load is enough
             logger.debug("no prompt read for %s: %s: %s", endpoint.path, type(exc).__name__, exc)
             return None
-        tenant = key_tenant(ASGIConnection(scope), self.api_key)
-        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant)
+        tenant = self.tenants.match(offered_keys(ASGIConnection(scope))) if self.tenants.needs_key else None
+        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant.cache_key if tenant else None)

@@ -42,8 +42,8 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
 from litestar.types import Receive, Scope, Send
 
-from pagoda.api.auth import api_key_guard
 from pagoda.api.errors import api_error, error_response
+from pagoda.api.tenants import TenantTable
 from pagoda.plugins.protocol import ApiError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policy import RequestInfo
@@ -71,13 +71,13 @@ class Proxy:
     """The ASGI app the router mounts for every path it does not answer itself."""
 
     def __init__(self, fleet: Fleet, table: RouteTable, metrics: RouterMetrics, settings: RouterSettings,
-                 prompts: PromptReader | None = None) -> None:
+                 tenants: TenantTable, prompts: PromptReader | None = None) -> None:
         self.fleet = fleet
         self.prompts = prompts  # reads each request's prompt, for a policy that keys on it
         self.table = table
         self.metrics = metrics
         self.max_body_bytes = settings.max_body_bytes
-        self.guard = api_key_guard(settings.api_key) if settings.api_key else None
+        self.guard = tenants.guard if tenants.needs_key else None  # the replicas' keys, checked as they check them
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,7 +97,9 @@ class Proxy:
             except NotAuthorizedException as exc:
                 await send_error(send, info, api_error(exc))
                 return
-        prompt = self.prompts.read(info.endpoint, body, scope) if self.prompts is not None else None
+        prompt = None
+        if self.prompts is not None and info.endpoint is not None:  # off the loop: it relays every other stream
+            prompt = await asyncio.to_thread(self.prompts.read, info.endpoint, body, scope)
         request = RequestInfo(scope["method"], path, info.protocol, body, prompt)
         target = raw_path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
         answer = AnswerWatch(send)

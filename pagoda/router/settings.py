@@ -22,6 +22,7 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # checked here as pagoda checks it, and forwarded with the request
+    api_keys_file: str | None = None  # the replicas' --api-keys-file: keys checked here, tenants keyed as theirs are
     max_queue_per_replica: int = 64  # requests in flight through this router per replica; beyond on all: 429
     health_interval: float = 0.5  # seconds between two polls of each replica's /health
     health_timeout: float = 2.0  # a /health that takes longer counts as unreachable

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.api.auth import key_tenant
+from pagoda.api.auth import offered_keys
+from pagoda.api.tenants import TenantTable
 from tests.helpers import metric_values
 from tests.server_fixtures import TINY_ENGINE, TINY_NAME, start_server
 from tests.server_fixtures import default_model_dir, tiny_model_dir, tiny_server  # noqa: F401  (fixtures)
@@ -108,15 +109,16 @@ def test_metrics_and_health_count_the_hits(tiny_server):
 
 
 def test_the_tenant_is_a_hash_of_the_presented_key():
-    def conn(**headers):
-        return SimpleNamespace(headers=headers)
+    def cache_key(api_key, **headers):
+        tenant = TenantTable(api_key).match(offered_keys(SimpleNamespace(headers=headers)))
+        return None if tenant is None else tenant.cache_key
 
-    bearer, x_key = conn(authorization="Bearer k1"), conn(**{"x-api-key": "k1"})
-    assert key_tenant(bearer, "k1") == key_tenant(x_key, "k1") is not None  # either header, one tenant
-    assert "k1" not in key_tenant(bearer, "k1")
-    assert key_tenant(conn(authorization="Bearer k2"), "k2") != key_tenant(bearer, "k1")  # another key, another one
-    assert key_tenant(bearer, None) is None  # no key set: no tenant
-    assert key_tenant(conn(authorization="Bearer wrong"), "k1") is None
+    bearer = cache_key("k1", authorization="Bearer k1")
+    assert bearer == cache_key("k1", **{"x-api-key": "k1"}) is not None  # either header, one tenant
+    assert "k1" not in bearer
+    assert cache_key("k2", authorization="Bearer k2") != bearer  # another key, another one
+    assert TenantTable().match([]) is None and not TenantTable().needs_key  # no key set: no tenant
+    assert cache_key("k1", authorization="Bearer wrong") is None
 
 
 def test_a_keyed_server_still_shares_blocks_under_its_key(tiny_model_dir):  # noqa: F811

@@ -81,9 +81,9 @@ def live_router(replica_urls: Sequence[str], **settings: Any) -> Iterator[LiveRo
         server.stop()
 
 
-def start_replica(model_dir: Path, **engine: Any) -> LiveServer:
-    """One tiny-model replica (the matrix's plugins, any model name answered)."""
-    return start_live(model_dir, TINY_NAME, **{**TINY_ENGINE, **engine})
+def start_replica(model_dir: Path, settings: dict[str, Any] | None = None, **engine: Any) -> LiveServer:
+    """One tiny-model replica (the matrix's plugins, any model name answered), with these ServeSettings fields."""
+    return start_live(model_dir, TINY_NAME, settings=settings, **{**TINY_ENGINE, **engine})
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ ROWS: dict[str, tuple[list[str], Callable[[RouterSettings], Any]]] = {
     "--host": (["--host", "::1"], lambda s: s.host == "::1"),
     "--port": (["--port", "0"], lambda s: s.port == 0),
     "--api-key": (["--api-key", "sekret"], lambda s: s.api_key == "sekret"),
+    "--api-keys-file": (["--api-keys-file", "keys.toml"], lambda s: s.api_keys_file == "keys.toml"),
     "--max-queue-per-replica": (["--max-queue-per-replica", "3"], lambda s: s.max_queue_per_replica == 3),
     "--health-interval": (["--health-interval", "0.25"], lambda s: s.health_interval == 0.25),
     "--health-timeout": (["--health-timeout", "1.5"], lambda s: s.health_timeout == 1.5),
@@ -71,6 +72,7 @@ def test_every_option_has_a_row_and_the_defaults_are_the_contracts():
     ([*BASE, "--health-interval", "0"], "health_interval"),
     ([*BASE, "--model", "/no/such/model"], "is not 'default'"),
     ([*BASE, "--balance-rel-threshold", "0.5"], "balance thresholds"),
+    ([*BASE, "--api-keys-file", "/no/such/keys.json"], "cannot read it"),
 ])
 def test_bad_settings_are_refused_with_status_2(capsys, argv, message):
     assert main(["router", *argv]) == 2

@@ -9,8 +9,14 @@ the replica, none would be.
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import json
+import threading
+
 import httpx
 
+from pagoda.router.prompts import PromptReader
 from tests.router.helpers import live_router, served_by, start_replica
 
 SYSTEM = ("You are the archivist of a mountain pagoda. Answer in one short sentence, plainly, and never "
@@ -76,3 +82,63 @@ def test_the_tenant_key_separates_prompts_in_the_index_as_in_the_cache(tiny_mode
     finally:
         for replica in replicas:
             replica.server.stop()
+
+
+def test_keys_file_tenants_are_checked_and_keyed_in_the_router_as_in_the_replicas_caches(tiny_model_dir, tmp_path):  # noqa: F811
+    """Router and replicas read one keys file. A key it does not hold is refused by the router itself; a tenant's
+    prompts are keyed by its cache key as the replica keys them (every hash the router holds is one the replica
+    cached), so another tenant's identical prompt is no match."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": [{"name": n, "key_sha256": hashlib.sha256(f"key-{n}".encode()).hexdigest()}
+                                            for n in ("team-a", "team-b")]}))
+    replicas = [start_replica(tiny_model_dir, settings={"api_keys_file": str(keys)}, num_blocks=256) for _ in range(2)]
+    try:
+        with live_router([r.url for r in replicas], policy="prefix", api_keys_file=str(keys)) as router:
+            def ask(key, messages):
+                return httpx.post(f"{router.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": "m", "max_tokens": 2, "messages": messages}, timeout=60)
+
+            refused = ask("key-nobody", conversation(0, 1)[0])
+            assert refused.status_code == 401 and "x-pagoda-replica" not in refused.headers
+            assert "API key" in refused.json()["error"]["message"]
+            for asked in conversation(0, 2):
+                r = ask("key-team-a", asked)
+                assert r.status_code == 200, r.text
+            where = served_by(r, replicas)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            held = set(router.fleet.policy._inner._index[where])
+            assert held and held <= set(replicas[where].async_engine.engine.block_manager.cached_blocks)
+            assert ask("key-team-b", conversation(0, 1)[0]).status_code == 200
+            assert router.fleet.policy.reasons == {"no_match": 2, "match": 1}  # team-b's same prompt: no match
+    finally:
+        for replica in replicas:
+            replica.server.stop()
+
+
+def test_a_prompt_is_read_off_the_event_loop_so_the_router_keeps_answering(tiny_model_dir, monkeypatch):  # noqa: F811
+    """While one request's prompt is being read (held here until the test lets it go), the router still answers
+    another request: the read runs in a worker thread, not on the loop that relays every stream."""
+    entered, release = threading.Event(), threading.Event()
+    read = PromptReader.read
+
+    def held_read(self, endpoint, body, scope):
+        entered.set()
+        assert release.wait(60), "the test never released the read"
+        return read(self, endpoint, body, scope)
+
+    monkeypatch.setattr(PromptReader, "read", held_read)
+    replica = start_replica(tiny_model_dir)
+    try:
+        with live_router([replica.url], policy="prefix", api_key=None) as router:
+            body = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": conversation(0, 1)[0]}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(httpx.post, f"{router.url}/v1/chat/completions", json=body, timeout=60)
+                assert entered.wait(60)
+                assert router.health().status_code == 200  # answered while the read is still held
+                assert not held.done()
+                release.set()
+                assert held.result().status_code == 200
+            assert router.fleet.policy.reasons["no_match"] == 1  # the read prompt reached the policy
+    finally:
+        release.set()
+        replica.server.stop()
