@@ -101,6 +101,6 @@ def run(args: argparse.Namespace) -> int:
 
     app.on_startup.append(lambda: reload_on_sighup(app.state.tenants))  # the process's signal: `pagoda router` only
 
-    run_server(app, settings.host, settings.port, ready, log_level=settings.log_level,
+    run_server(app, settings.host, settings.port, ready, drain=app.state.drain, log_level=settings.log_level,
                timeout_graceful_shutdown=settings.shutdown_timeout)
     return 0

@@ -50,7 +50,8 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
-        """The replicas' counters summed over the healthy ones, and each replica's; 503 when none is healthy."""
+        """The replicas' counters summed over the healthy ones, and each replica's; 503 when none is healthy, or
+        while the router drains ("status": "draining")."""
         summary = fleet.summary()
         return Response(summary, status_code=200 if summary["status"] == "ok" else 503)
 
@@ -87,6 +88,12 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
 
     app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None)
     app.state.fleet = fleet  # read by tests and by whoever embeds a router
+
+    async def drain() -> None:
+        """On the first SIGTERM (`pagoda router`): 503 to new requests and on /health, those in flight run on."""
+        await fleet.drain(settings.shutdown_timeout)
+
+    app.state.drain = drain
     app.state.tenants = tenants  # `pagoda router` re-reads its keys file on SIGHUP
     return app
 

@@ -125,8 +125,7 @@ class Proxy:
                         tried.add(replica.index)
             except Refused as refused:
                 (self.metrics.queue_full if refused.status == 429 else self.metrics.unavailable).inc()
-                code = "queue_full" if refused.status == 429 else "no_healthy_replica"
-                await send_error(send, info, ApiError(refused.status, refused.message, None, code))
+                await send_error(send, info, ApiError(refused.status, refused.message, None, refused.code))
                 return
 
     async def _exchange(self, replica: Replica, scope: Scope, send: Send, info: PathInfo, request: RequestInfo,

@@ -61,12 +61,14 @@ class Replica:
 
 
 class Refused(Exception):
-    """No replica may take the request: `status` 503 (none healthy) or 429 (every healthy one full)."""
+    """No replica may take the request: `status` 503 (none healthy, or the router is draining) or 429 (every healthy
+    one full); `code` names which, as the error's code."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.code = code
 
 
 class Fleet:
@@ -75,6 +77,24 @@ class Fleet:
     def __init__(self, urls: Sequence[str], policy: Policy, max_in_flight: int) -> None:
         self.replicas = [Replica(i, url, max_in_flight) for i, url in enumerate(urls)]
         self.policy = policy
+        self.draining = False  # set once, by drain(): every new request is refused with a 503
+        self._idle: asyncio.Event | None = None  # while draining: set when the last request in flight ends
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on and wait, up to `timeout` s, for those in flight to end."""
+        self.draining = True
+        if self.in_flight == 0:
+            return
+        self._idle = asyncio.Event()
+        logger.info("draining: refusing new requests, waiting up to %g s for the %d in flight", timeout, self.in_flight)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("shutdown timeout (%g s): %d requests in flight are cut", timeout, self.in_flight)
 
     @property
     def healthy(self) -> list[Replica]:
@@ -84,14 +104,16 @@ class Fleet:
     def admit(self, request: RequestInfo, exclude: frozenset[int] = frozenset()) -> Iterator[Replica]:
         """`with fleet.admit(request) as replica:` the replica the policy picks, leaving out `exclude` (those this
         request already tried), with the request counted in flight there until the block ends; Refused if none may."""
+        if self.draining:
+            raise Refused(503, "the router is shutting down and takes no new requests; retry", "draining")
         states = [r.state() for r in self.replicas]
         states = [s if s.index not in exclude else ReplicaState(s.index, s.url, False, s.in_flight,
                                                                 s.max_in_flight, s.health) for s in states]
         if not any(s.healthy for s in states):
-            raise Refused(503, "no replica can serve this request now (none is healthy)")
+            raise Refused(503, "no replica can serve this request now (none is healthy)", "no_healthy_replica")
         if not any(s.available for s in states):
             bound = self.replicas[0].max_in_flight
-            raise Refused(429, f"every healthy replica has {bound} requests in flight; retry later")
+            raise Refused(429, f"every healthy replica has {bound} requests in flight; retry later", "queue_full")
         index = self.policy.choose(states, request)
         assert states[index].available, f"policy {self.policy.name} chose replica {index}, which is not available"
         replica = self.replicas[index]
@@ -101,6 +123,8 @@ class Fleet:
         finally:
             replica.in_flight -= 1
             assert replica.in_flight >= 0, (replica.url, replica.in_flight)
+            if self._idle is not None and self.in_flight == 0:
+                self._idle.set()
 
     async def poll_once(self, http: httpx.AsyncClient, timeout: float) -> None:
         """Ask every replica's /health at once and record what each said."""
@@ -144,6 +168,7 @@ class Fleet:
             for name, value in replica.health.items():
                 if (name in SUMMED_FIELDS or name.endswith("_total")) and type(value) is int:
                     sums[name] = sums.get(name, 0) + value
-        return {"status": "ok" if healthy else "unavailable", **sums, "policy": self.policy.name,
-                "replicas_healthy": len(healthy), "in_flight": sum(r.in_flight for r in self.replicas),
+        status = "draining" if self.draining else "ok" if healthy else "unavailable"
+        return {"status": status, **sums, "policy": self.policy.name,
+                "replicas_healthy": len(healthy), "in_flight": self.in_flight,
                 "replicas": [r.describe() for r in self.replicas]}

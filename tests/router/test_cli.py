@@ -15,6 +15,7 @@ from pagoda.cli.main import build_parser, main
 from pagoda.cli.router import router_settings
 from pagoda.model.hub import resolve_model
 from pagoda.router.settings import RouterSettings
+from tests.helpers import wait_for
 from tests.router.helpers import REPLICA_HEADER, replicas  # noqa: F401  (fixtures)
 
 BASE = ["--replica", "http://127.0.0.1:8001"]
@@ -97,6 +98,41 @@ def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # 
         assert served == [r.url for r in replicas]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_sigterm_drains_new_requests_get_503_and_the_stream_in_flight_ends_whole(replicas):  # noqa: F811
+    """The first SIGTERM: /health and every new request answer 503 ("draining", with Retry-After), the stream
+    in flight runs to its end, then the command exits 0."""
+    cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", "round_robin", "--log-level", "warning",
+           "--shutdown-timeout", "60", *(arg for r in replicas for arg in ("--replica", r.url))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(120)
+        assert line and line[0].startswith("pagoda router at "), (line, proc.poll())
+        url = line[0].split(" at ")[1].strip()
+        body = {"model": "m", "prompt": "pagoda", "max_tokens": 900, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
+            events = stream.iter_lines()
+            assert next(e for e in events if e.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, "the router to drain")
+            health = httpx.get(f"{url}/health", timeout=30).json()
+            assert health["status"] == "draining" and health["in_flight"] == 1
+            refused = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                                 timeout=30)
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert refused.json()["error"]["code"] == "draining" and REPLICA_HEADER not in refused.headers
+            rest = [e for e in events if e.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and len(rest) > 10
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
