@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import httpx
@@ -80,9 +82,11 @@ def test_bad_settings_are_refused_with_status_2(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # noqa: F811
+@contextmanager
+def router_command(replicas, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`pagoda router` (round robin) over `replicas` in a child process; yields it and the URL it printed."""
     cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", "round_robin", "--log-level", "warning",
-           *(arg for r in replicas for arg in ("--replica", r.url))]
+           *extra, *(arg for r in replicas for arg in ("--replica", r.url))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line: list[str] = []
@@ -90,7 +94,15 @@ def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # 
         reader.start()
         reader.join(120)
         assert line and line[0].startswith("pagoda router at http://127.0.0.1:"), (line, proc.poll())
-        url = line[0].split(" at ")[1].strip()
+        yield proc, line[0].split(" at ")[1].strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # noqa: F811
+    with router_command(replicas) as (proc, url):
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert health["status"] == "ok" and [r["url"] for r in health["replicas"]] == [r.url for r in replicas]
         body = {"model": "m", "prompt": "pagoda", "max_tokens": 2}
@@ -98,25 +110,12 @@ def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # 
         assert served == [r.url for r in replicas]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
 
 
 def test_sigterm_drains_new_requests_get_503_and_the_stream_in_flight_ends_whole(replicas):  # noqa: F811
     """The first SIGTERM: /health and every new request answer 503 ("draining", with Retry-After), the stream
     in flight runs to its end, then the command exits 0."""
-    cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", "round_robin", "--log-level", "warning",
-           "--shutdown-timeout", "60", *(arg for r in replicas for arg in ("--replica", r.url))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(120)
-        assert line and line[0].startswith("pagoda router at "), (line, proc.poll())
-        url = line[0].split(" at ")[1].strip()
+    with router_command(replicas, "--shutdown-timeout", "60") as (proc, url):
         body = {"model": "m", "prompt": "pagoda", "max_tokens": 900, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as stream:
@@ -133,7 +132,3 @@ def test_sigterm_drains_new_requests_get_503_and_the_stream_in_flight_ends_whole
             rest = [e for e in events if e.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and len(rest) > 10
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
