@@ -23,6 +23,7 @@ BENCHMARKS = {
     "tensor-parallel": "pagoda.bench.tensor_parallel",
     "moe": "pagoda.bench.moe",
     "fleet": "pagoda.bench.fleet",
+    "router-read": "pagoda.bench.router_read",
 }
 
 
