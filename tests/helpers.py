@@ -278,3 +278,10 @@ def advance(scheduler, batch) -> None:
             if chunk.request.num_output_tokens >= chunk.request.sampling_params.max_tokens:
                 scheduler.remove(chunk.request)
     scheduler.audit()
+
+
+def reap(process, timeout: float = 30.0) -> None:
+    """A child process of a test, ended: killed if still running, then collected with its pipes drained and closed."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate(timeout=timeout)

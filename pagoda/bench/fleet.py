@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.serve.server import pagoda_subprocess, serve_command
+from pagoda.bench.serve.server import ROUTER_READY, pagoda_subprocess, serve_command
 from pagoda.bench.serve.workloads import Conversation, conversations
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.routing import BALANCE_ABS_THRESHOLD, POLICIES
@@ -45,7 +44,6 @@ from pagoda.simulator.crowd import ClientPlan
 from pagoda.simulator.fleet import FleetConfig, simulate_fleet
 from pagoda.simulator.simulate import SimulationConfig
 
-ROUTER_READY = re.compile(r"pagoda router at (http://\S+)")
 SIM_VOCAB = 256  # the fake model's vocabulary: real token ids are folded into it (1..255; 0 is its EOS)
 
 

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import socket
 import sys
 import time
@@ -26,10 +25,10 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.serve.server import pagoda_subprocess
+from pagoda.bench.serve.report import latency_ms
+from pagoda.bench.serve.server import ROUTER_READY, pagoda_subprocess
 from pagoda.bench.serve.workloads import words
 
-ROUTER_READY = re.compile(r"pagoda router at (http://\S+)")
 PROBE_INTERVAL_S = 0.01
 
 
@@ -56,9 +55,8 @@ def closed_port() -> int:
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    at = lambda q: 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": 1000 * ordered[-1], "n": len(ordered)}
+    """bench serve's latency summary (mean, p50, p90, p99, n) and the worst, in ms."""
+    return {**latency_ms(values), "max": 1000 * max(values)}
 
 
 async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -190,9 +190,9 @@ class FairPolicy(SchedulingPolicy):
         if not (running or waiting):
             return 0.0  # nothing else to do: the engine is idle until a request comes anyway
         ran = {t for t, n in self.running_count.items() if n > 0 and self.came_back.get(t, False)}
-        if not ran:
-            return 0.0
-        departed = ran - {r.tenant for r in running} - {r.tenant for r in waiting}  # ran, nothing now
+        departed = ran - {r.tenant for r in running} if ran else ran  # most steps end here: it still runs
+        if departed:
+            departed -= {r.tenant for r in waiting}  # ran, and nothing of it runs or waits now
         return self.anticipation_s if departed else 0.0
 
     def start_step(self, running: Sequence[Request], waiting: deque[Request], budget: int, max_running: int) -> None:

@@ -56,7 +56,8 @@ class RouterMetrics:
                                        ["replica", "kind"], registry=self.registry)
         self.queue_full = Counter("pagoda_router_queue_full", "Requests answered 429: every healthy replica was full.",
                                   registry=self.registry)
-        self.unavailable = Counter("pagoda_router_unavailable", "Requests answered 503: no replica was healthy, or the router was draining.",
+        self.unavailable = Counter("pagoda_router_unavailable",
+                                   "Requests answered 503: no replica was healthy, or the router was draining.",
                                    registry=self.registry)
         self.client_disconnects = Counter("pagoda_router_client_disconnects", "Requests whose client left before "
                                           "its answer was complete (the upstream request was closed).",

@@ -5,8 +5,8 @@ Design note. The prefix cache keys on token blocks, not text, so the router rend
 does: the body is decoded strictly (pagoda.api.body) into the endpoint's own struct, and the endpoint's
 `prepare` (the same plugin code the replica runs) renders the chat template and tokenizes, with the model's
 tokenizer loaded here (no weights). The keys are the body's `cache_salt` and the prefix-cache key of the
-tenant the presented key names, from the same `--api-key` / `--api-keys-file` the replicas have
-(pagoda.api.tenants.TenantTable, as a replica matches it). A body the replica will refuse, a path that is
+tenant the proxy's guard matched the presented key to, in a table read from the same `--api-key` /
+`--api-keys-file` the replicas have (pagoda.api.tenants.TenantTable, as a replica matches it). A body the replica will refuse, a path that is
 not a generation endpoint, or any failure to render gives no prompt: the policy then balances by load alone,
 and the replica answers the request as it would have anyway. For a request with several prompts (a
 completions batch, `n` > 1) the first prompt decides.
@@ -26,9 +26,8 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.types import Scope
 
-from pagoda.api.auth import offered_keys
-from pagoda.api.tenants import TenantTable
 from pagoda.api.body import decode_body
+from pagoda.api.tenants import TenantTable
 from pagoda.core.routing import RouteRequest
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.plugins.protocol import Endpoint, EngineRequest, ServeContext
@@ -57,8 +56,8 @@ class PromptReader:
             content_type = headers.get(b"content-type", b"application/json").decode("latin-1")
             prepared: Any = endpoint.prepare(decode_body(endpoint.body_type, body, content_type), self.context)
             first: EngineRequest = prepared if isinstance(prepared, EngineRequest) else prepared[0]
+            tenant = self.tenants.of(ASGIConnection(scope))  # the one the proxy's guard matched (OPEN: no keys)
         except Exception as exc:  # the replica will answer it (most often its 4xx): routing by load is enough
             logger.debug("no prompt read for %s: %s: %s", endpoint.path, type(exc).__name__, exc)
             return None
-        tenant = self.tenants.match(offered_keys(ASGIConnection(scope))) if self.tenants.needs_key else None
-        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant.cache_key if tenant else None)
+        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant.cache_key)

@@ -10,7 +10,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import reap, wait_for
 from tests.server_fixtures import default_model_dir, tiny_model_dir  # noqa: F401
 
 PROMPT = "Once upon a time, in a pagoda by the river,"
@@ -43,12 +43,6 @@ def _draining(url):
     return r.status_code == 503 and r.json()["status"] == "draining"
 
 
-def _stop(proc):
-    if proc.poll() is None:
-        proc.kill()
-    proc.communicate(timeout=30)
-
-
 @pytest.mark.slow
 def test_sigterm_drains_the_stream_in_flight_refuses_new_work_and_exits_0(tiny_model_dir):  # noqa: F811
     proc, url = _serve(tiny_model_dir, shutdown_timeout=60)
@@ -70,7 +64,7 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_work_and_exits_0(tiny_m
         assert len("".join(c["text"] for c in choices)) > 0
         assert proc.wait(60) == 0
     finally:
-        _stop(proc)
+        reap(proc)
 
 
 @pytest.mark.slow
@@ -92,4 +86,4 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout_and_exits_0(tiny_mode
         assert unary and unary[0].status_code == 503, unary
         assert proc.wait(60) == 0
     finally:
-        _stop(proc)
+        reap(proc)

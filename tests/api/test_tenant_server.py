@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from pagoda.api.settings import ServeSettings
-from tests.helpers import metric_values, wait_for
+from tests.helpers import metric_values, reap, wait_for
 from tests.server_fixtures import TINY_ENGINE, start_server, tiny_model_dir  # noqa: F401  (a fixture)
 
 KEYS = {"team-a": "key-a-7f3e9c", "team-b": "key-b-51d0aa", "tight": "key-t-c4e2b8", "metered": "key-m-0b9d61"}
@@ -228,6 +228,4 @@ def test_sighup_rereads_the_keys_file_without_dropping_a_stream(tiny_model_dir, 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
+        reap(proc)

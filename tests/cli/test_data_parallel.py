@@ -26,7 +26,7 @@ import pytest
 from pagoda.bench.serve.server import READY
 from pagoda.cli.data_parallel import THREADS_ENV, child_environ, replica_command
 from pagoda.cli.main import build_parser, main
-from tests.helpers import wait_for
+from tests.helpers import reap, wait_for
 from tests.router.helpers import REPLICA_HEADER
 
 START_TIMEOUT_S = 300.0  # two model loads on a busy machine
@@ -87,10 +87,7 @@ def command(tmp_path_factory):
         assert match, (line, process.poll(), log.read_text()[-3000:])
         yield Command(process, line.strip(), match.group(1), log)
     finally:
-        if process.poll() is None:
-            process.kill()  # its children die with it (PR_SET_PDEATHSIG)
-        process.wait(timeout=60)
-        process.stdout.close()
+        reap(process, timeout=60)  # its children die with it (PR_SET_PDEATHSIG)
 
 
 @pytest.mark.slow
@@ -173,10 +170,7 @@ def test_sighup_reaches_every_replica_so_each_rereads_the_keys_file(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=60)
-        process.stdout.close()
+        reap(process, timeout=60)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from pagoda.cli.main import build_parser, main
 from pagoda.cli.router import router_settings
 from pagoda.model.hub import resolve_model
 from pagoda.router.settings import RouterSettings
-from tests.helpers import wait_for
+from tests.helpers import reap, wait_for
 from tests.router.helpers import REPLICA_HEADER, replicas  # noqa: F401  (fixtures)
 
 BASE = ["--replica", "http://127.0.0.1:8001"]
@@ -96,9 +96,7 @@ def router_command(replicas, *extra: str) -> Iterator[tuple[subprocess.Popen, st
         assert line and line[0].startswith("pagoda router at http://127.0.0.1:"), (line, proc.poll())
         yield proc, line[0].split(" at ")[1].strip()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
+        reap(proc)
 
 
 def test_the_command_prints_its_url_serves_and_exits_0_on_sigterm(replicas):  # noqa: F811

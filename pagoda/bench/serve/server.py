@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 READY = re.compile(r"pagoda serving .* at (http://\S+)")
+ROUTER_READY = re.compile(r"pagoda router at (http://\S+)")  # `pagoda router`'s first line
 
 
 def serve_command(model: str, *, dtype: str | None = None, quantization: str | None = None, num_blocks: int | None = None,
