@@ -380,14 +380,20 @@ class Anticipating(SchedulingPolicy):
 
 
 def test_the_loop_waits_as_the_policy_asks_and_an_arrival_ends_the_wait(make_engine):
-    async_engine = make_engine(max_running=2)
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", GatedRunner(r)), max_running=2)
+    runner = gated["runner"]
     policy = async_engine.engine.scheduler.policy = Anticipating()
 
     async def main():
         a = async_engine.generate([1, 2, 3], SamplingParams(max_tokens=60, temperature=0), "a")
+        runner.allowed.release()
         await anext(a)
+        # a's next step waits for the gate, so a is still running when the policy is asked next. Ungated, a could
+        # finish first: the wait would then come before b's own first step, with nothing left to arrive and end it.
         policy.wait, policy.times = 3600.0, 1  # far past the test's deadline: only an arrival can end this wait
-        await asyncio.to_thread(policy.asked.wait, 30)
+        runner.open()
+        assert await asyncio.to_thread(policy.asked.wait, 30), "the loop never asked the policy while a ran"
         b = async_engine.generate([4, 5], SamplingParams(max_tokens=2, temperature=0), "b")
         first = await asyncio.wait_for(anext(b), 30)  # the arrival ended the wait: b's prefill step ran
         return first, [out async for out in b], [out async for out in a]
