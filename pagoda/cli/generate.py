@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not look the prompt up in the prefix cache")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="each answer's bits independent of the batch it ran in (default: on for the CPU, which "
+                        "proves its kernels at start-up; off for CUDA); --no-batch-invariant: the fastest kernels")
     add_speculative_option(p)
     add_parallel_options(p)
     p.set_defaults(func=run)
@@ -110,7 +113,8 @@ def _build(args: argparse.Namespace, params):
                             num_blocks=-(-total // args.block_size), max_running=1,
                             max_batched_tokens=max(EngineConfig.max_batched_tokens, args.block_size),
                             max_model_len=total, enable_prefix_caching=args.prefix_caching,
-                            speculative=args.speculative, architectures=architectures, **parallel_fields(args))
+                            speculative=args.speculative, architectures=architectures,
+                            batch_invariant=args.batch_invariant, **parallel_fields(args))
     status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
     if status is not None:
         return status

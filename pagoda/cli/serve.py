@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share the KV of equal prompt prefixes between requests")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="each answer's bits independent of the batch it ran in (default: on for the CPU, which "
+                        "proves its kernels at start-up; off for CUDA); --no-batch-invariant: the fastest kernels")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants: their keys' SHA-256, weights, priorities and limits (.json or .toml; "
@@ -113,7 +116,8 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
                          max_batched_tokens=args.max_batched_tokens, max_model_len=args.max_model_len,
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
                          speculative=args.speculative, scheduling_policy=args.scheduling_policy,
-                         scheduling_policies=scheduling_policies, **parallel_fields(args))
+                         scheduling_policies=scheduling_policies, batch_invariant=args.batch_invariant,
+                         **parallel_fields(args))
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -191,6 +195,7 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
         return 2
     # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read
     print(f"pagoda serve: speculative decoding {engine.speculation.reason}", file=sys.stderr, flush=True)
+    print(f"pagoda serve: batch invariance {engine.runner.invariance.summary()}", file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         print(f"pagoda serving {settings.served_model_name!r} at {url}", flush=True)

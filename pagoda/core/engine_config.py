@@ -68,14 +68,18 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     # who is admitted, gets the step's tokens and is preempted: a registered SchedulingPolicy's name (core/scheduling.py)
     scheduling_policy: str = "fcfs"
+    # each row's bits the same whatever the batch (the CPU runner proves its products at start-up and caps their
+    # calls' rows, pagoda/model/invariance.py); False: the fastest kernels, answers may depend on the batch
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)
                                              or self.max_waiting < 1):
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")

@@ -81,3 +81,49 @@ def configure_threads(threads: int | None = None) -> int:
             raise ValueError(f"threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+# The x86 ISA extensions that decide which kernels run (/proc/cpuinfo's flag -> the name we print)
+ISA_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNNI",
+             "avx_vnni": "AVX-VNNI", "avx512_bf16": "AVX512-BF16", "avx512_fp16": "AVX512-FP16",
+             "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"  # oneDNN's cap on the instructions its kernels use, read when torch loads
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """The CPU this process runs on, as every figure and /health names it."""
+
+    model: str  # /proc/cpuinfo's model name (platform.processor() where there is none)
+    flags: frozenset[str]  # every flag /proc/cpuinfo lists
+    cores: int  # the cores this process may run on
+
+    @property
+    def isa(self) -> list[str]:
+        """The kernel-deciding ISA extensions present, by our names (ISA_FLAGS), in that order."""
+        return [name for flag, name in ISA_FLAGS.items() if flag in self.flags]
+
+    def describe(self) -> dict[str, object]:
+        """For JSON: the model, its ISA extensions, the cores, and oneDNN's ISA cap when one is set."""
+        return {"cpu": self.model, "isa": self.isa, "cores": self.cores,
+                "onednn_max_cpu_isa": os.environ.get(ONEDNN_ISA_ENV)}
+
+
+def cpu_facts(cpuinfo: str | None = None) -> CpuFacts:
+    """Read this machine's CPU (from `cpuinfo`'s text when given, else /proc/cpuinfo)."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:  # the first processor's
+            fields[key.strip()] = value.strip()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return CpuFacts(model=fields.get("model name") or platform.processor() or platform.machine(),
+                    flags=frozenset(fields.get("flags", "").split()), cores=cores)

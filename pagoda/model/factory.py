@@ -75,6 +75,12 @@ class EngineOptions:
     # None: the built-in ones). Only rank 0 schedules, but the classes are module-level, so the options pickle.
     scheduling_policy: str = EngineConfig.scheduling_policy
     scheduling_policies: Mapping[str, type[SchedulingPolicy]] | None = None
+    # --batch-invariant / --no-batch-invariant; None: on for the CPU, off for CUDA (its invariant kernels cost time)
+    batch_invariant: bool | None = None
+
+    def invariant_on(self, device: torch.device) -> bool:
+        """Whether answers must not depend on the batch, on this device."""
+        return self.batch_invariant if self.batch_invariant is not None else device.type == "cpu"
 
     @property
     def parallel(self) -> ParallelOptions:
@@ -109,6 +115,7 @@ def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tupl
               else TensorParallelRunner(model, config, ranks, backend=backend))
     engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, policies=policies)
     logger.info("speculative decoding %s", engine.speculation.reason)
+    logger.info("batch invariance %s", runner.invariance.summary())
     return engine
 
 
@@ -122,7 +129,8 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
     return EngineConfig(num_blocks=num_blocks, block_size=options.block_size, max_running=options.max_running,
                         max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
                         enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
-                        speculative=options.speculative, scheduling_policy=options.scheduling_policy)
+                        speculative=options.speculative, scheduling_policy=options.scheduling_policy,
+                        batch_invariant=options.invariant_on(device))
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:

@@ -351,7 +351,8 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def _packs(self) -> list[tuple[PackedWeight, Tensor]]:
+    def packs(self) -> list[tuple[PackedWeight, Tensor]]:
+        """Every product's (PackedWeight, weight): the linear layers', then the LM head's."""
         # an untied LM head multiplies through lm_head_packed, not through its Linear
         packs = [(m.packed, m.weight) for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
         return packs + [(self.lm_head_packed, self.lm_head_weight)]
@@ -362,16 +363,16 @@ class Transformer(nn.Module):
         A copy: with `release` the plain weights of the linear layers are freed (not the embedding,
         which a tied LM head shares and the lookup reads), so packing costs no extra memory.
         """
-        for packed, weight in self._packs():
+        for packed, weight in self.packs():
             packed.pack(weight, release=release and packed is not self.lm_head_packed)
 
     def matmul_bytes(self) -> int:
         """Bytes of matmul weights one forward reads, in the layout they are multiplied in."""
-        return sum(packed.nbytes(weight) for packed, weight in self._packs())
+        return sum(packed.nbytes(weight) for packed, weight in self.packs())
 
     def unpack_weights(self) -> None:
         """Drop the reordered copies; products read the plain weights again."""
-        for packed, _ in self._packs():
+        for packed, _ in self.packs():
             packed.clear()
 
     def forward(self, input_ids: Tensor, positions: Tensor, ctx: StepContext) -> Tensor:
@@ -387,7 +388,7 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """hidden: [S, H] (the rows that sample) -> logits [S, V] in float32 (on rank 0; None on the others)."""
         # the LM head may run on its own kernel (a float head over int4 layers): lm_head_packed's
-        logits = self.lm_head_packed.matmul.linear(hidden, self.lm_head_packed.operand(self.lm_head_weight), None)
+        logits = self.lm_head_packed.product(hidden, self.lm_head_weight, None)
         if cap := self.config.final_logit_softcapping:  # c * tanh(logits / c), row by row
             logits = torch.tanh(logits.float() / cap).mul_(cap)
         return self.group.gather_first(logits.float(), list(self.shard.vocab_sizes))

@@ -178,6 +178,10 @@ class PackedWeight:
         self.packed: Tensor | None = None
         self.key: tuple[int, int] | None = None
         self.released = False  # the plain weight was freed: the pack is the only copy
+        self.shape: tuple[int, int] | None = None  # [out, in] of the weight, kept when it is released
+        # rows one call of the kernel may take, 0 for any: products of more rows run as calls of at most this
+        # many, the row count this machine proved row invariant for this shape (pagoda/model/invariance.py)
+        self.max_rows = 0
 
     def pack(self, weight: Tensor, release: bool = False) -> None:
         """Snapshot `weight` in the kernel's layout (no-op for kernels that use it as is).
@@ -189,6 +193,7 @@ class PackedWeight:
             return
         with torch.no_grad():
             self.packed = self.matmul.pack(weight)
+        self.shape = tuple(weight.shape)
         self.key = (weight.data_ptr(), weight._version)
         if release:
             weight.data = weight.data.new_empty(0)
@@ -197,6 +202,7 @@ class PackedWeight:
     def adopt(self, packed: Any, weight: Tensor) -> None:
         """Take a pack made elsewhere (int4 from a GGUF's own blocks) and free the plain weight: it is final."""
         self.packed, self.key, self.released = packed, None, True
+        self.shape = tuple(weight.shape)
         weight.data = weight.data.new_empty(0)
 
     def clear(self) -> None:
@@ -211,6 +217,13 @@ class PackedWeight:
         if not self.released and self.key != (weight.data_ptr(), weight._version):
             self.pack(weight)
         return self.packed
+
+    def product(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x [T, in] @ weight.T (+ bias) -> [T, out] on the kernel, in calls of at most `max_rows` rows."""
+        operand = self.operand(weight)
+        if not self.max_rows or x.shape[0] <= self.max_rows:
+            return self.matmul.linear(x, operand, bias)
+        return torch.cat([self.matmul.linear(part, operand, bias) for part in x.split(self.max_rows)])
 
     def nbytes(self, weight: Tensor) -> int:
         """Bytes a product reads: the pack's when there is one, else the plain weight's."""
@@ -227,4 +240,4 @@ class Linear(nn.Linear):
         self.packed = PackedWeight(matmul)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.matmul.linear(x, self.packed.operand(self.weight), self.bias)
+        return self.packed.product(x, self.weight, self.bias)

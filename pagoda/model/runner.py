@@ -61,9 +61,12 @@ from torch import Tensor
 
 from pagoda.core.batch import RunnerOutput, SchedulerOutput
 from pagoda.core.engine_config import EngineConfig
+from pagoda.core.machine import cpu_facts
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
 from pagoda.model.config import ModelConfig
+from pagoda.model.invariance import prove_row_invariance
+from pagoda.model.loader import weight_format
 from pagoda.model.llama import StepContext, Transformer
 
 
@@ -115,6 +118,8 @@ class TorchModelRunner:
         self.num_blocks, self.block_size = config.num_blocks, config.block_size  # the pool the scheduler hands out
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # before it serves: each product's calls capped at the rows this machine proved row invariant
+        self.invariance = prove_row_invariance(model.packs(), self.dtype, config.batch_invariant)
         self.backend = backend if backend is not None else select_backend(self.device)
         self.switch_threads = self.device.type == "cpu"  # the design note: a small step's work on one thread
         self.small_rows, self.small_attention = SMALL_ROWS, SMALL_ATTENTION  # its thresholds (benchmarks vary them)
@@ -126,7 +131,9 @@ class TorchModelRunner:
 
     def describe(self) -> dict[str, Any]:
         """What /health and the model card say of the model: its architecture and the plugin that built it."""
-        return {"architecture": {"name": self.model_config.architecture, "plugin": self.model_config.family}}
+        return {"architecture": {"name": self.model_config.architecture, "plugin": self.model_config.family},
+                "machine": cpu_facts().describe(), "batch_invariant": self.invariance.describe(),
+                "kernels": {"matmul": weight_format(self.model), "attention": self.backend.name}}
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""

@@ -7,6 +7,7 @@ import torch
 
 from pagoda.model.config import named_config
 from pagoda.model.llama import StepContext, apply_rope, build_model, rope_inv_freq, rope_tables
+from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.matmul import (INT4, INT8, INT8_AVX2, MKL_PADDED, ONEDNN, ONEDNN_BF16, ONEDNN_PACKED, PLAIN, PackedWeight,
                                  has_onednn_bf16, select_matmul)
 from pagoda.model.quantize import has_int_kernels
@@ -165,6 +166,7 @@ def test_each_op_is_batch_invariant_with_row_padding(matmul):
     model = build_model(named_config("smollm2-135m", num_hidden_layers=1), max_positions=64, matmul=matmul)
     model.init_random_weights(seed=0)
     model.pack_weights()  # as the runner does (a no-op for kernels without a weight layout of their own)
+    prove_row_invariance(model.packs())  # and caps each product's calls at the rows proven on this machine
     layer = model.model.layers[0]
     h, d = model.config.hidden_size, model.config.head_dim
     cos, sin = model.rope_cos[17:18], model.rope_sin[17:18]
@@ -209,7 +211,10 @@ def test_without_padding_the_kernel_is_not_batch_invariant(matmul):
     differs = [i for i in range(8) if not torch.equal(matmul.linear(x[i : i + 1], w, None)[0], together[i])]
     if not differs:
         pytest.skip(f"{matmul.name} gives a lone row the same bits as a row in a batch here")
-    assert _row_is_invariant(lambda t: matmul.linear(t, w, None), 576, matmul.row_multiple)[0]  # padding removes it
+    packed = PackedWeight(matmul)
+    packed.pack(w)
+    prove_row_invariance([(packed, w)])  # padding, and calls no bigger than this machine proved, remove it
+    assert _row_is_invariant(lambda t: packed.product(t, w, None), 576, matmul.row_multiple)[0]
 
 
 @pytest.mark.skipif(not HAS_ONEDNN, reason="oneDNN matmul unavailable")

@@ -10,6 +10,7 @@ from pagoda.model.architectures import parse_config
 from pagoda.model.config import ModelConfigError
 from pagoda.model.families.qwen3_moe import SparseMoeBlock
 from pagoda.model.loader import load_model
+from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.matmul import select_matmul
 from pagoda.model.shard import ShardPlan
 from tests.model.families.family_checks import check_batch_invariance, check_matches_transformers, save_random_hf
@@ -66,9 +67,10 @@ def test_sparse_block_rows_are_the_same_alone_and_in_any_crowd(kernel):
     gen = torch.Generator().manual_seed(0)
     for p in block.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    for m in block.modules():
-        if hasattr(m, "packed"):
-            m.packed.pack(m.weight)
+    packs = [(m.packed, m.weight) for m in block.modules() if hasattr(m, "packed")]
+    for packed, weight in packs:
+        packed.pack(weight)
+    prove_row_invariance(packs)  # as the runner does: calls capped at the rows this machine proved
 
     def step(rows):  # as the runner pads a step's rows (the padding rows route to no expert)
         pad = -len(rows) % matmul.row_multiple
