@@ -126,7 +126,7 @@ def _machine_key() -> dict[str, object]:
 def cached_probe(matmul: MatmulKernel, operand: object, shape: tuple[int, int], dtype: torch.dtype,
                  bound: int = PROBE_ROWS) -> RowProbe:
     """`probe_rows` through the on-disk cache of this machine's results."""
-    key = {**_machine_key(), "kernel": matmul.name, "row_multiple": matmul.row_multiple, "shape": list(shape),
+    key = {**_machine_key(), "probe": [PROBE_ROWS, MIN_ELEMENTS], "kernel": matmul.name, "row_multiple": matmul.row_multiple, "shape": list(shape),
            "dtype": str(dtype), "bound": bound}
     path = _cache_path(key)
     try:

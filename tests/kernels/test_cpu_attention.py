@@ -188,6 +188,8 @@ def test_row_padding_is_what_keeps_decodes_equal_to_prefill_rows(world, full_pre
     differ = sum(
         not torch.equal(run_cpu(world.batch([(0, p, 1)]))[0], full_prefill[0][p]) for p in range(0, 300, 10)
     )
+    if differ == 0:  # an MKL that computes a few-row product as it does a 4-row one (seen on a Xeon with AMX)
+        pytest.skip("MKL gives 3-row and 4-row products the same bits on this CPU: no hazard to show")
     assert differ > 0
 
 
