@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 
+from pagoda.core.machine import cpu_facts
 from pagoda.harness.acceptance import check_answers, check_pool_returned, run_crowd, run_solo
 from pagoda.harness.crowds import default_model_crowd
 from pagoda.harness.live_server import live_server
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             crowd = await run_crowd(live.url, plans, live.model_name, live.endpoints)
             await live.async_engine.wait_until_idle()
             await check_pool_returned(live.url, live.async_engine.audit)
-            return {"solo_wall_seconds": round(solo_wall, 2), **crowd.summary(),
+            return {"machine": cpu_facts().describe(), "solo_wall_seconds": round(solo_wall, 2), **crowd.summary(),
                     "identical": check_answers(solo, crowd), "texts": {k: o.text for k, o in crowd.outcomes.items()}}
 
         result = asyncio.run(run())

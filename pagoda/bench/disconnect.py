@@ -23,13 +23,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pagoda.core.machine import cpu_facts
 from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.manager import ALLOW_ENV
 from pagoda.plugins.protocol import Endpoint
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 bills.append(max(runs, key=lambda b: (b.tokens_after_close, b.close_to_idle_ms)))
         stats = live.assert_pool_whole()  # idle, audited and whole, asked of the engine loop
         device = str(getattr(live.async_engine.engine.runner, "device", args.device))
-    summary = {"model": args.model, "device": device, "machine": platform.processor() or platform.machine(),
+    summary = {"model": args.model, "device": device, "machine": cpu_facts().describe(),
                "ms_per_token": round(ms_per_token, 1), "max_tokens": args.max_tokens,
                "hangup_after_s": args.hangup_after, "target_steps_of_work_after_close": TARGET_STEPS,
                "pool_whole": stats["kv_blocks_free"] == stats["kv_blocks_total"],

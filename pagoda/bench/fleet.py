@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.serve.server import ROUTER_READY, pagoda_subprocess, serve_command
 from pagoda.bench.serve.workloads import Conversation, conversations
 from pagoda.core.engine_config import EngineConfig
@@ -181,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report(args, live, simulated))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "live": live, "simulated": simulated}, f, indent=2)
+            json.dump({"args": vars(args), "machine": cpu_facts().describe(), "live": live, "simulated": simulated}, f,
+                      indent=2)
     return 1 if any(run["failed"] for run in live) else 0
 
 

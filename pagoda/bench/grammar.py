@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pagoda.core.machine import cpu_facts
 from pagoda.core.constraint import Constraint
 from pagoda.core.grammar import Grammars
 from pagoda.core.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             rates[fraction].append(engine_throughput(engine, prompt, args.requests, fraction, args.max_tokens))
     for fraction in fractions:
         print(f"| {fraction:.0%} | {max(rates[fraction]):.1f} | {max(rates[fraction]) / max(rates[0.0]):.2f} |")
-    print(json.dumps({"compiles": engine.grammars.num_compiles, "cache_hits": engine.grammars.num_cache_hits}))
+    print(json.dumps({"compiles": engine.grammars.num_compiles, "cache_hits": engine.grammars.num_cache_hits,
+                      "machine": cpu_facts().describe()}))
     engine.grammars.shutdown()
     return 0

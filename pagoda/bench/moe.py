@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.offline import bench_config, make_prompts
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.architectures import build_model
@@ -145,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} q / {args.kv_heads} kv heads of"
              f" {args.head_dim}, vocabulary {args.vocab}; MoE: {args.experts} experts of {args.moe_intermediate},"
              f" top-{args.top_k}; dense: intermediate {args.top_k * args.moe_intermediate}")
-    result: dict[str, Any] = {"threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
+    result: dict[str, Any] = {"machine": cpu_facts().describe(), "threads": torch.get_num_threads(), "torch": torch.__version__, "context": args.context,
                               "rounds": args.rounds, "steps": args.steps, "moe_config": dataclasses.asdict(moe_config),
                               "dense_config": dataclasses.asdict(dense_config), "points": []}
     print(f"{shape}\ncontext {args.context}, {torch.get_num_threads()} threads, {args.rounds} rounds of"

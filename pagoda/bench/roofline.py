@@ -28,7 +28,7 @@ import torch
 from pagoda.bench.kernels import measure_copy_bandwidth, time_call
 from pagoda.bench.offline import bench_config, make_prompts
 from pagoda.bench.weight_formats import FORMATS, load
-from pagoda.core.machine import STATE
+from pagoda.core.machine import STATE, cpu_facts
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.factory import make_engine
 from pagoda.model.hub import resolve_model
@@ -127,8 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
     model_dir = resolve_model(args.model, progress=False)
     copy_bw, read_bw = measure_copy_bandwidth(CPU, 256 << 20), read_bandwidth()
-    result: dict = {"threads": torch.get_num_threads(), "wait_policy": STATE.wait_policy,
+    result: dict = {"machine": cpu_facts().describe(), "threads": torch.get_num_threads(), "wait_policy": STATE.wait_policy,
                     "copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "formats": {}}
+    machine = result["machine"]
+    print(f"{machine['cpu']}, {machine['cores']} cores, {' '.join(machine['isa'])}"
+          f"{', oneDNN capped at ' + machine['onednn_max_cpu_isa'] if machine['onednn_max_cpu_isa'] else ''}", flush=True)
     print(f"{torch.get_num_threads()} threads, OpenMP wait policy {STATE.wait_policy}: copy {copy_bw / 1e9:.1f} GB/s,"
           f" read {read_bw / 1e9:.1f} GB/s", flush=True)
     for name in names:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.serve.report import latency_ms
 from pagoda.bench.serve.server import ROUTER_READY, pagoda_subprocess
 from pagoda.bench.serve.workloads import words
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError) as exc:
         print(f"pagoda bench router-read: {exc}", file=sys.stderr)
         return 2
-    result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **result}
+    result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "machine": cpu_facts().describe(), **result}
     probe, read = result["probe_ms"], result["read_ms"]
     print(f"{args.clients} clients, {args.words} words a prompt, {args.seconds:g} s: {result['prompts_read']} prompts read"
           f" ({result['prompts_per_s']:.1f}/s; a read request {read['p50']:.1f} ms p50); the loop's probe"

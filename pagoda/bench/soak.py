@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
+from pagoda.core.machine import cpu_facts
 from pagoda.core.routing import POLICIES
 from pagoda.harness.crowd_client import ClientOutcome, run_client
 from pagoda.harness.live_server import LiveServer, live_server
@@ -248,5 +249,5 @@ def main(argv: list[str] | None = None) -> int:
         if args.replicas > 1:
             front = dataclasses.replace(front, url=stack.enter_context(_router(replicas, args.router_policy)))
         report = asyncio.run(soak(front, args, replicas))
-    print(json.dumps(report, indent=2))
+    print(json.dumps({"machine": cpu_facts().describe(), **report}, indent=2))
     return 0 if report["ok"] else 1

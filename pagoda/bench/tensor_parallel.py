@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.offline import bench_config, make_prompts
 from pagoda.distributed.group import SUM_PARTS_MIN_BYTES
 
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--project-only", action="store_true", help="only the projection (no measurement)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    result: dict = {"projection": projection_table()}
+    result: dict = {"machine": cpu_facts().describe(), "projection": projection_table()}
     if not args.project_only:
         result["measured"] = run_measurements(args)
     print(render_projection(result["projection"]))

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.serve.client import RequestRecord
 from pagoda.bench.serve.load import LevelRun
 
@@ -145,7 +146,7 @@ def turn_table(summaries: list[dict[str, Any]]) -> str:
 def write_json(path: str | Path, config: dict[str, Any], summaries: list[dict[str, Any]],
                records: list[RequestRecord], baseline: dict[str, Any] | None = None) -> None:
     """The result file: the run's settings, every summary, the pagoda / peer ratios, every per-request record."""
-    result = {"config": config, "summaries": summaries,
+    result = {"config": config, "machine": cpu_facts().describe(), "summaries": summaries,
               "ratios": [{"level": level, **r} for level, r in level_ratios(summaries).items()],
               "offline_ratios": [{"level": level, **r} for level, r in level_ratios(summaries, "offline").items()],
               "records": [r.to_json() for r in records]}

@@ -50,6 +50,7 @@ from typing import Any
 
 import httpx
 
+from pagoda.core.machine import cpu_facts
 from pagoda.bench.serve import load
 from pagoda.bench.serve.client import RequestRecord, Target, served_model
 from pagoda.bench.serve.report import latency_ms
@@ -412,7 +413,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("api_key", "peer_api_key")}
         config["tenant_mix"] = streams
-        Path(args.json).write_text(json.dumps({"config": config, "summaries": summaries, "records": records},
+        Path(args.json).write_text(json.dumps({"config": config, "machine": cpu_facts().describe(), "summaries": summaries, "records": records},
                                               indent=1))
     if args.plot_dir:
         path = write_plot(args.plot_dir, summaries, records) if summaries else None
