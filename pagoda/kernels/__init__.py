@@ -2,6 +2,8 @@
 
 Backends:
 - "triton": Triton kernels, the default on CUDA (triton_decode.py, triton_prefill.py).
+- "triton_invariant": the same kernels, every step through the prefill kernel, so a row's bits never depend on
+  the batch (triton_backend.py's design note); what `select_backend(..., batch_invariant=True)` gives on CUDA.
 - "cpu": bitwise batch invariant, the default on the CPU: pagoda's C++ kernel for float32 on AVX2 CPUs
   (cpu_paged_attention.cpp, through cpu_native.py), else vectorized torch (cpu_plan.py, cpu_attention.py).
 - "cpu_sdpa": torch SDPA on the CPU, faster on long prefills but not batch invariant (cpu_sdpa.py).
@@ -49,12 +51,16 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _triton() -> AttentionBackend:
+def _triton(invariant: bool = False) -> AttentionBackend:
     try:
         from pagoda.kernels.triton_backend import TritonBackend
     except ImportError as exc:  # triton missing or unusable on this machine
         raise ValueError(f"backend 'triton' is unavailable: {exc}") from exc
-    return TritonBackend()
+    return TritonBackend(invariant=invariant)
+
+
+def _triton_invariant() -> AttentionBackend:
+    return _triton(invariant=True)
 
 
 def _cpu() -> AttentionBackend:
@@ -77,6 +83,7 @@ def _reference() -> AttentionBackend:
 
 _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {
     "triton": _triton,
+    "triton_invariant": _triton_invariant,
     "cpu": _cpu,
     "cpu_sdpa": _cpu_sdpa,
     "reference": _reference,
@@ -84,11 +91,13 @@ _FACTORIES: dict[str, Callable[[], AttentionBackend]] = {
 BACKEND_NAMES = tuple(_FACTORIES)
 
 
-def select_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """Pick the attention backend once at start-up: "triton" on CUDA, "cpu" on the CPU, or `name`."""
+def select_backend(device: torch.device | str, name: str | None = None, *,
+                   batch_invariant: bool = False) -> AttentionBackend:
+    """Pick the attention backend once at start-up: "triton" on CUDA ("triton_invariant" with `batch_invariant`),
+    "cpu" on the CPU (invariant either way), or `name`."""
     device = torch.device(device)
     if name is None:
-        name = "triton" if device.type == "cuda" else "cpu"
+        name = ("triton_invariant" if batch_invariant else "triton") if device.type == "cuda" else "cpu"
     if name not in _FACTORIES:
         raise ValueError(f"name must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
     if name in ("cpu", "cpu_sdpa") and device.type != "cpu":
