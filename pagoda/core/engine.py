@@ -21,7 +21,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.grammar import CompileQueue, Grammars
 from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason, Request, RequestStatus
-from pagoda.core.sampler import Sampler
+from pagoda.core.sampler import Sampler, StepLogits
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduling import SchedulingPolicy, make_policy
@@ -200,26 +200,31 @@ class Engine:
     def _collect(self, batch: SchedulerOutput, logits: Any) -> list[AnswerDelta]:
         # logits: [rows, V]: per chunk that reaches its request's end, its last token's row and one per draft.
         # A failure in one request's own work (its sampling, logits processing, detokenizing) fails it alone.
+        # the rows come off a GPU with one wait for the whole step, not one per row (core/sampler.py)
+        chunks = batch.sample_chunks
+        step = StepLogits(logits, [c.request for c in chunks for _ in range(c.num_logits_rows)])
         outputs, row = [], 0
-        for chunk in batch.sample_chunks:
-            rows, row = logits[row : row + chunk.num_logits_rows], row + chunk.num_logits_rows
+        for chunk in chunks:
+            rows, row = range(row, row + chunk.num_logits_rows), row + chunk.num_logits_rows
             try:
-                outputs.append(self._take(chunk, rows))
+                outputs.append(self._take(chunk, step, rows))
             except Exception as exc:
                 logger.exception("request %s failed in sampling; failing it alone", chunk.request.request_id)
                 outputs.append(self._fail_request(chunk.request, exc))
         return outputs
 
-    def _take(self, chunk: ScheduledChunk, rows: Any) -> AnswerDelta:
-        """Sample the chunk's rows [1 + drafts, V] in order, keeping its drafts while they equal the token sampled.
+    def _take(self, chunk: ScheduledChunk, step: StepLogits, rows: range) -> AnswerDelta:
+        """Sample the chunk's rows (1 + drafts of the step's logits) in order, keeping its drafts while they equal
+        the token sampled.
 
         Each token is appended (penalties and stop checks then see exactly the plain decode's tokens) before the
         next row is sampled; a draft equal to the token sampled at its place is computed KV, which this phase
         alone counts (core/speculative.py). The token after the last kept draft comes free."""
         request, tokens, text = chunk.request, [], ""
         drafts = chunk.draft_token_ids
-        for j, row in enumerate(rows):
-            token = self.sampler.sample_row(row, request)
+        for j, i in enumerate(rows):
+            token_id = step.greedy[i]  # decided on the GPU for a plain greedy row, else sampled here
+            token = SampledToken(token_id) if token_id is not None else self.sampler.sample_row(step.row(i), request)
             tokens.append(token)
             text += self._append(request, token)
             if request.is_finished or j == len(drafts) or token.token_id != drafts[j]:

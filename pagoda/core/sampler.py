@@ -15,6 +15,13 @@ vocabulary entry, its own validation and a tensor op per filter step). With no
 filter the draw runs on the whole row's CDF tensor. Plain greedy rows of a
 batch share one `argmax` in `sample_rows` (argmax is exact, so the batch shape
 cannot move it).
+
+Logits on a GPU. A row's `int(argmax(row))`, or any of the list work above,
+waits for the device: once per row, so a step of 64 decodes waited 64 times.
+`StepLogits` takes a step's rows once: the plain greedy rows' tokens from one
+argmax and one copy, every other row copied to the host together; the engine
+then takes a decided token or samples the host row (`sample_row`). On the CPU it hands the
+rows on as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +37,33 @@ import torch
 
 from pagoda.core.outputs import SampledToken
 from pagoda.core.request import Request
+
+
+class StepLogits:
+    """One step's logits rows [R, V] as sampling reads them, taken from a GPU with one wait (the design note).
+
+    `greedy[i]` is row i's token where its request is plain greedy and the rows are on a GPU (None elsewhere);
+    `row(i)` is row i on the host."""
+
+    def __init__(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        self.greedy: list[int | None] = [None] * len(requests)
+        self._rows, self._index = logits, None  # CPU: every row as it is
+        if logits.device.type == "cpu" or not requests:
+            return
+        plain = [i for i, request in enumerate(requests) if _plain_greedy(request)]
+        others = [i for i, request in enumerate(requests) if not _plain_greedy(request)]
+        if plain:  # one argmax and one copy for every plain greedy row [len(plain)]
+            ids = (logits if not others else logits[plain]).argmax(dim=-1)
+            for i, token_id in zip(plain, ids.tolist()):
+                self.greedy[i] = token_id
+        if others:  # the rows sampled on the host, copied together [len(others), V]
+            self._rows = (logits if not plain else logits[others]).cpu()
+            self._index = {i: j for j, i in enumerate(others)}
+
+    def row(self, i: int) -> torch.Tensor:
+        """Row i [V] on the host (a plain greedy GPU row is not copied: read `greedy[i]`)."""
+        return self._rows[i if self._index is None else self._index[i]]
 
 
 class Sampler:
