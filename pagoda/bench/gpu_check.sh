@@ -1,13 +1,49 @@
 #!/usr/bin/env bash
-# GPU check for the attention kernels: the CUDA kernel tests (pytest -m gpu) and the kernel benchmark.
-# Needs no network: it uses the first python that imports torch (./.venv, then python3, python).
-# Results go to "$OUT" if set, else ./out: env.txt, gpu_tests.txt/.xml, bench_kernels.md/.json.
-# Usage: bash pagoda/bench/gpu_check.sh        (from anywhere; runs in the repository root)
+# The GPU check: everything pagoda has that needs a GPU, in one run that fits one call of a lent machine.
+#
+#   bash pagoda/bench/gpu_check.sh [--quick]      (from anywhere; runs in the repository root)
+#
+# Sections, in order, each under its own time limit and all of them under one deadline ($GPU_CHECK_DEADLINE
+# seconds, 540 by default; a section that would start with under 25 s left is skipped); a section that fails
+# never stops the next:
+#   env          python, torch, triton, CUDA versions and nvidia-smi
+#   tests        the GPU kernel tests (tests/kernels/test_triton_*.py, tests/core/test_sampler_gpu.py)
+#   kernels      pagoda bench kernels: decode (batch 1/16/64 x context 1k/4k/16k) as a share of copy bandwidth,
+#                the invariant backend beside it, prefill against torch SDPA, the decode kernel's variants
+#   offline_1b   pagoda bench offline, Llama-3.2-1B shape, bfloat16, 1/16/64 prompts, step split, and the
+#   offline_8b   batch-invariant kernels' cost; then the same at the Llama-3.1-8B shape
+#   invariance   one prompt alone vs in a crowd of 64: per op and end to end, default and invariant modes
+#   models       a random-weight SmolLM2-135M-shaped Hugging Face directory with a tokenizer made here
+#   serve        pagoda serve --device cuda on it, driven by the openai and anthropic SDKs, and a disconnect
+#   moe          the Qwen3-MoE path through the engine
+#   nccl         pagoda generate with a tensor-parallel group of one rank on NCCL
+# Without CUDA (or with --quick) every section runs on the CPU at tiny shapes, to test the script itself.
+# Wheels in ./.whl (what the machine's python lacks) are installed first into /tmp/site, without network.
+# Results: $OUT (else ./out): summary.md (the machine, a status table, each section's tables), results.json
+# (every section's measurements), log.txt (everything, with timestamps), gpu_tests.xml (pytest's JUnit file).
 set -u
 cd "$(dirname "$0")/../.."
+ROOT="$PWD"
 OUT_DIR="${OUT:-./out}"
 mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOG="$OUT_DIR/log.txt"
+PARTS="$(mktemp -d /tmp/pagoda_gpu_check.XXXXXX)"
+MODELS="$PARTS/models"
+START=$(date +%s)
+DEADLINE="${GPU_CHECK_DEADLINE:-540}"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+
+say() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  say "installing $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> "$LOG" 2>&1 || say "wheel install failed (see log.txt)"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 PY=""
 for candidate in ./.venv/bin/python python3 python; do
@@ -17,38 +53,94 @@ for candidate in ./.venv/bin/python python3 python; do
   fi
 done
 if [ -z "$PY" ]; then
-  echo "gpu_check: no python with torch found (tried ./.venv/bin/python, python3, python)" | tee "$OUT_DIR/env.txt"
+  say "no python with torch found (tried ./.venv/bin/python, python3, python)"
   exit 2
 fi
 
+QUICK=0
+[ "${1:-}" = "--quick" ] && QUICK=1
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || QUICK=1
+
 {
-  echo "python: $PY"
-  "$PY" -c "import sys, torch; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+  echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu', torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else '', 'SMs' if torch.cuda.is_available() else '')"
   "$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 || echo "triton: not importable"
-  "$PY" -c "import pytest; print('pytest', pytest.__version__)" 2>&1 || echo "pytest: not importable"
-  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-} 2>&1 | tee "$OUT_DIR/env.txt"
+  for m in pytest xdist litestar uvicorn openai anthropic pydantic msgspec; do
+    "$PY" -c "import $m; print('$m', getattr($m, '__version__', ''))" 2>/dev/null || echo "$m: not importable"
+  done
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) files changed; quick mode: $QUICK"
+} > "$PARTS/env.out" 2>&1
+cat "$PARTS/env.out" | tee -a "$LOG"
 
-status=0
-if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  # --noconftest: the kernel tests need none of the repository's fixtures (nor their dependencies)
-  timeout 900 "$PY" -m pytest tests/kernels -m gpu --noconftest -p no:cacheprovider -q -rs \
-    --junitxml "$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.txt"
-  status=${PIPESTATUS[0]}
+report() { "$PY" -m pagoda.bench.gpu_report "$PARTS" "$OUT_DIR" >> "$LOG" 2>&1; }
+
+# section NAME LIMIT_S CMD...: run CMD under min(LIMIT_S, what the deadline leaves), output to the log and to
+# $PARTS/NAME.out; a JSON it writes goes to $PARTS/NAME.json (the command gets the path in $JSON)
+section() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( DEADLINE - ($(date +%s) - START) ))
+  if [ "$left" -lt 25 ]; then
+    say "SKIP $name: ${left}s left before the deadline"
+    printf '%s\tskipped\t0\n' "$name" >> "$PARTS/status.tsv"
+    report
+    return
+  fi
+  [ "$limit" -gt $(( left - 10 )) ] && limit=$(( left - 10 ))
+  say "START $name (limit ${limit}s)"
+  local t0=$(date +%s)
+  JSON="$PARTS/$name.json" timeout -k 15 "$limit" "$@" > "$PARTS/$name.out" 2>&1
+  local rc=$?
+  sed "s/^/    [$name] /" "$PARTS/$name.out" >> "$LOG"
+  say "END $name: exit $rc in $(( $(date +%s) - t0 ))s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$PARTS/status.tsv"
+  report
+}
+
+# ---------------------------------------------------------------- the sections
+TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_matmul.py tests/kernels/test_triton_interpret.py
+       tests/core/test_sampler_gpu.py)
+XDIST=()
+[ "$QUICK" = 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST=(-n 8)
+# --noconftest: the kernel tests need none of the repository's fixtures (nor their dependencies)
+section tests 200 "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" --noconftest -p no:cacheprovider -q -rfEs \
+  --junitxml "$OUT_DIR/gpu_tests.xml"
+
+if [ "$QUICK" = 1 ]; then
+  section kernels 120 sh -c '"$0" -m pagoda.bench.kernels --device cpu --quick --reps 1 --threads 1 --json "$JSON"' "$PY"
+  OFFLINE=(--device cpu --num-prompts 1,4 --prompt-lens 32 --max-tokens 8 --split --compare-invariance --no-hf)
+  section offline_1b 120 sh -c '"$0" -m pagoda bench offline --model tiny "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  section invariance 120 sh -c '"$0" -m pagoda.bench.gpu_invariance --model tiny --device cpu --crowd 8 \
+    --prompt-len 60 --max-tokens 6 --budget 64 --json "$JSON"' "$PY"
+  section models 60 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape tiny --dtype float32 --device cpu
+  section serve 120 sh -c '"$0" -m pagoda.bench.gpu_serve_check --model "$1" --device cpu --disconnect-tokens 900 \
+    --log "$2" --json "$JSON" -- --num-blocks 512' "$PY" "$MODELS/serve" "$PARTS/serve_server.log"
+  section moe 120 sh -c '"$0" -m pagoda.bench.gpu_extras moe --device cpu --rows 1,4 --max-tokens 4 --json "$JSON"' "$PY"
+  section nccl 120 sh -c '"$0" -m pagoda.bench.gpu_extras nccl --model "$1" --device cpu --max-tokens 8 \
+    --json "$JSON"' "$PY" "$MODELS/serve"
 else
-  echo "gpu_check: pytest missing; the benchmark's reference check below is the only correctness check" \
-    | tee "$OUT_DIR/gpu_tests.txt"
+  section kernels 120 sh -c '"$0" -m pagoda.bench.kernels --sweep --json "$JSON"' "$PY"
+  OFFLINE=(--device cuda --dtype bfloat16 --num-prompts 1,16,64 --prompt-lens 128 --max-tokens 64 --split
+           --compare-invariance --no-hf)
+  section offline_1b 110 sh -c '"$0" -m pagoda bench offline --model llama-3.2-1b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  section offline_8b 130 sh -c '"$0" -m pagoda bench offline --model llama-3.1-8b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  section invariance 100 sh -c '"$0" -m pagoda.bench.gpu_invariance --model llama-3.2-1b --json "$JSON"' "$PY"
+  section models 45 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape smollm2-135m --dtype bfloat16
+  section serve 110 sh -c '"$0" -m pagoda.bench.gpu_serve_check --model "$1" --device cuda --disconnect-tokens 6000 \
+    --log "$2" --json "$JSON" -- --dtype bfloat16 --num-blocks 4096' "$PY" "$MODELS/serve" "$PARTS/serve_server.log"
+  section moe 60 sh -c '"$0" -m pagoda.bench.gpu_extras moe --device cuda --json "$JSON"' "$PY"
+  section nccl 90 sh -c '"$0" -m pagoda.bench.gpu_extras nccl --model "$1" --device cuda --max-tokens 16 \
+    --json "$JSON"' "$PY" "$MODELS/serve"
 fi
 
-if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  bench_args=()
-else
-  echo "gpu_check: no CUDA device; running the CPU benchmark on a tiny grid instead"
-  bench_args=(--quick)
+if [ -f "$PARTS/serve_server.log" ]; then
+  { echo "---- the server's stderr (last 80 lines)"; tail -n 80 "$PARTS/serve_server.log"; } >> "$LOG"
 fi
-timeout 900 "$PY" -m pagoda.bench.kernels "${bench_args[@]}" --json "$OUT_DIR/bench_kernels.json" 2>&1 \
-  | tee "$OUT_DIR/bench_kernels.md"
-bench_status=${PIPESTATUS[0]}
-
-echo "gpu_check: tests exit $status, benchmark exit $bench_status; results in $OUT_DIR"
-[ "$status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+report
+failed=$(awk -F'\t' '$2 != 0' "$PARTS/status.tsv" | wc -l)
+say "done: $(( $(wc -l < "$PARTS/status.tsv") - failed )) of $(wc -l < "$PARTS/status.tsv") sections ok; results in $OUT_DIR"
+cat "$OUT_DIR/summary.md"
+rm -rf "$PARTS"
+[ "$failed" -eq 0 ]

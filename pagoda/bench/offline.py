@@ -12,7 +12,16 @@ Three measurements in one run, on the same weights and prompts:
   (not batch-invariant) matmul and attention, so the cost is measured;
 - with --tensor-parallel-size N (a model directory), the engine runs on N ranks, this process their
   rank 0, as `pagoda serve --tensor-parallel-size N` does (`pagoda bench tensor-parallel` splits a
-  step into compute and communication).
+  step into compute and communication);
+- with --split, each engine run's steps are split into the forward (on the device, to its end),
+  sampling and host work (scheduling, input preparation, bookkeeping): the device is synchronized at
+  those boundaries only then, so the plain runs are not slowed;
+- with --batch-invariant on CUDA, the engine runs on the batch-invariant kernels (the Triton matmul of
+  kernels/triton_matmul.py and the "triton_invariant" attention); with --compare-invariance beside it,
+  the default kernels run too and the cost is their ratio.
+
+--num-prompts takes a list (1,16,64): one engine run per count on the same model. --json writes every
+measurement.
 
 Prompts are random token ids (no special tokens) and every request generates
 exactly --max-tokens tokens on both sides (EOS is ignored), so the work is equal.
@@ -21,10 +30,13 @@ exactly --max-tokens tokens on both sides (EOS is ignored), so the work is equal
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,10 +55,72 @@ class Result:
     name: str
     tokens: int
     seconds: float
+    split: dict[str, float] = field(default_factory=dict)  # --split: mean ms per step of each part
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+@contextmanager
+def step_split(engine: Engine, parts: dict[str, float]) -> Iterator[None]:
+    """Fill `parts` with the mean ms per step of the forward, sampling and host work, over every step that ran
+    the model and (prefixed `decode_`) over the decode-only ones.
+
+    The forward is the runner's execute less its input preparation, to the device's end (synchronized there);
+    sampling is the engine's collection of the step's tokens; host is the rest of the step (scheduling, input
+    preparation, bookkeeping). Instance attributes wrap the methods and are removed after."""
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    runner = engine.runner
+    step, execute, prepare, collect = engine.step, runner.execute, runner.prepare, engine._collect
+    current: collections.Counter = collections.Counter()  # this step's parts, in seconds
+    totals: collections.Counter = collections.Counter()
+
+    def timed(part, fn, end=lambda: None):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                out = fn(*args)
+                end()
+                return out
+            finally:
+                current[part] += time.perf_counter() - start
+        return run
+
+    def timed_step():
+        current.clear()
+        start = time.perf_counter()
+        try:
+            return step()
+        finally:
+            wall = time.perf_counter() - start
+            if current["execute"]:  # a step that ran the model
+                forward = current["execute"] - current["prepare"]
+                for prefix in ("", "decode_") if current["decode_only"] else ("",):
+                    totals[prefix + "steps"] += 1
+                    totals[prefix + "forward"] += forward
+                    totals[prefix + "sampling"] += current["sampling"]
+                    totals[prefix + "host"] += wall - forward - current["sampling"]
+                    totals[prefix + "wall"] += wall
+
+    def execute_batch(batch):
+        current["decode_only"] = all(c.num_tokens == 1 for c in batch.chunks)
+        return execute(batch)
+
+    runner.prepare = timed("prepare", prepare)
+    runner.execute = timed("execute", execute_batch, sync)
+    engine._collect = timed("sampling", collect)
+    engine.step = timed_step
+    try:
+        yield
+    finally:
+        for owner, attr in ((runner, "prepare"), (runner, "execute"), (engine, "_collect"), (engine, "step")):
+            delattr(owner, attr)  # the instance attribute goes; the class's method is back
+        for prefix in ("", "decode_"):
+            if n := totals[prefix + "steps"]:
+                parts[prefix + "steps"] = n
+                for part in ("forward", "sampling", "host", "wall"):
+                    parts[f"{prefix}{part}_ms"] = 1e3 * totals[prefix + part] / n
 
 
 def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed: int, first_id: int = 17) -> list[list[int]]:
@@ -63,8 +137,9 @@ def bench_config(num_prompts: int, max_len: int, *, block_size: int = EngineConf
                         max_batched_tokens=max_batched_tokens, max_model_len=max_len)
 
 
-def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None, ranks=None) -> Result:
-    """All prompts added at once, stepped until done: generated tokens / wall seconds."""
+def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None, ranks=None,
+                      split: bool = False) -> Result:
+    """All prompts added at once, stepped until done: generated tokens / wall seconds (with --split, its parts)."""
     engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens), backend=backend,
                          ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -72,23 +147,32 @@ def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: st
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
-    generated = sum(len(out.new_token_ids) for out in engine.run())
-    return Result(name, generated, time.perf_counter() - start)
+    parts: dict[str, float] = {}
+    with step_split(engine, parts) if split else _nothing():
+        generated = sum(len(out.new_token_ids) for out in engine.run())
+    return Result(name, generated, time.perf_counter() - start, parts)
 
 
-def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None, ranks=None) -> Result:
-    """One request: decode steps only, tokens per second from the median step time."""
+def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None, ranks=None,
+                         split: bool = False) -> Result:
+    """One request: decode steps only, tokens per second from the median step time (with --split, its parts)."""
     engine = make_engine(model, bench_config(1, len(prompt) + max_tokens), backend=backend, ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompt, params)
     engine.add_request("solo", prompt, params)
     engine.step()  # the prefill
-    steps = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - start)
-    return Result(name, 1, statistics.median(steps))
+    steps, parts = [], {}
+    with step_split(engine, parts) if split else _nothing():
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+    return Result(name, 1, statistics.median(steps), parts)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _warm_up(engine: Engine, prompt: list[int], params: SamplingParams) -> None:
@@ -150,6 +234,29 @@ def render(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def invariant_kernels(device: torch.device, dtype: torch.dtype):
+    """(matmul kernel, attention backend) of the batch-invariant mode on `device` (the CPU's defaults are)."""
+    from pagoda.kernels import select_backend
+    from pagoda.model import matmul
+
+    if device.type != "cuda":
+        return None, None
+    kernel = getattr(matmul, "TRITON_INVARIANT", None)
+    if kernel is None:  # the engine's own selection does not know the Triton matmul yet: the same kernel here
+        from pagoda.kernels import triton_matmul
+
+        kernel = matmul.MatmulKernel("triton_invariant", 1, triton_matmul.linear)
+    return kernel, select_backend(device, batch_invariant=True)
+
+
+def default_backend(device: torch.device):
+    """The default mode's attention on CUDA, named ("triton"), so an engine's config cannot change it; None on the
+    CPU (the runner's own choice)."""
+    from pagoda.kernels import select_backend
+
+    return select_backend(device, "triton") if device.type == "cuda" else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from pagoda.model.hub import resolve_model
     from pagoda.model.loader import load_model, resolve_device, resolve_dtype
@@ -158,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagoda bench offline", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default",
                    help=f"'default', a Hugging Face directory, or a random-weight size: {', '.join(NAMED_CONFIGS)}")
-    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--num-prompts", default="16", help="prompts at once; a comma-separated list runs each count")
     p.add_argument("--prompt-lens", default="64", help="comma-separated prompt lengths, cycled over the prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -166,13 +273,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--compare-invariance", action="store_true", help="also run the plain, not batch-invariant kernels")
+    p.add_argument("--compare-invariance", action="store_true",
+                   help="also run the other kernels: the plain ones on the CPU, the invariant ones on CUDA "
+                        "(or, with --batch-invariant, the default ones)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="on CUDA, run the batch-invariant kernels (the CPU's default kernels already are)")
+    p.add_argument("--split", action="store_true", help="split each step into forward, sampling and host work")
+    p.add_argument("--no-single-stream", action="store_true", help="skip the single-stream decode run")
+    p.add_argument("--json", default=None, help="also write the measurements to this file")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="run the engine on N ranks (gloo on the CPU, NCCL on CUDA), as pagoda serve does")
     args = p.parse_args(argv)
-    if args.tensor_parallel_size > 1 and (args.model in NAMED_CONFIGS or args.compare_invariance):
+    args.num_prompts = [int(n) for n in str(args.num_prompts).split(",")]
+    if args.tensor_parallel_size > 1 and (args.model in NAMED_CONFIGS or args.compare_invariance
+                                          or args.batch_invariant):
         p.error("--tensor-parallel-size needs a model directory (every rank loads its shard) and no "
-                "--compare-invariance")
+                "--compare-invariance or --batch-invariant")
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -193,8 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                           quantization=quantization)
 
     if args.tensor_parallel_size == 1:
+        invariant_matmul, invariant_backend = invariant_kernels(device, dtype)
+        if args.batch_invariant and invariant_matmul is not None:
+            model, config = load(matmul=invariant_matmul)
+            return _run(args, model, config, device, dtype, load, None, invariant_backend)
         model, config = load()
-        return _run(args, model, config, device, dtype, load, None)
+        return _run(args, model, config, device, dtype, load, None, default_backend(device))
     model_dir = resolve_model(args.model)
     options = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, quantization=args.quantization,
                             max_model_len=max_len, tensor_parallel_size=args.tensor_parallel_size)
@@ -202,45 +322,100 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, model, model.config, device, dtype, load, ranks)
 
 
-def _run(args, model, config, device, dtype, load, ranks) -> int:
+def _run(args, model, config, device, dtype, load, ranks, backend=None) -> int:
     from pagoda.bench.kernels import measure_copy_bandwidth
-    from pagoda.kernels import select_backend
     from pagoda.model.hub import resolve_model
     from pagoda.model.loader import weight_format
 
     lengths = [int(n) for n in args.prompt_lens.split(",")]
-    prompts = make_prompts(config.vocab_size, lengths, args.num_prompts, args.seed)
+    counts = args.num_prompts
+    invariant = args.batch_invariant and device.type == "cuda"
+    kind = "batch-invariant kernels" if invariant else "default kernels"
     print(f"model {args.model}: {config.num_parameters() / 1e6:.0f}M parameters, {device}, "
-          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads; {args.num_prompts} prompts of "
-          f"{args.prompt_lens} tokens, {args.max_tokens} new tokens each"
+          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {kind}; "
+          f"{','.join(map(str, counts))} prompts of {args.prompt_lens} tokens, {args.max_tokens} new tokens each"
           + (f"; tensor parallel {ranks.group.size} ({ranks.group.backend})" if ranks else ""), flush=True)
 
-    ours = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {args.num_prompts} prompts at once",
-                             ranks=ranks)
-    solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode", ranks=ranks)
-    rss = resident_bytes()  # the packed weights (plain copies freed) and two KV pools, before the copy test
+    report: dict = {"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                    "kernels": kind, "max_tokens": args.max_tokens, "prompt_lens": lengths, "runs": []}
+    rows, results = [], {}
+    for n in counts:
+        prompts = make_prompts(config.vocab_size, lengths, n, args.seed)
+        result = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {n} prompts at once",
+                                   backend, ranks=ranks, split=args.split)
+        results[n] = result
+        rows.append((result.name, f"{result.tokens_per_s:.1f}", _split_cell(result.split)))
+        report["runs"].append({"num_prompts": n, **asdict(result), "tokens_per_s": result.tokens_per_s})
+        print(f"  {result.name}: {result.tokens_per_s:.1f} tokens/s {_split_cell(result.split)}", flush=True)
+    ours = results[counts[-1]]
+    prompts = make_prompts(config.vocab_size, lengths, counts[-1], args.seed)
     copy_bw = measure_copy_bandwidth(device, 256 << 20)
     floor_s = weight_bytes(model) / copy_bw  # under TP, rank 0's shard: each rank streams its own
-    rows = [(ours.name, f"{ours.tokens_per_s:.1f}", ""),
-            (solo.name, f"{solo.tokens_per_s:.1f}",
-             f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "
-             f"{weight_bytes(model) / 1e6:.0f} MB per step at the copy bandwidth of {copy_bw / 1e9:.1f} GB/s; "
-             f"weights streamed at {weight_bytes(model) * solo.tokens_per_s / 1e9:.1f} GB/s)")]
-    if rss is not None:
-        rows.append(("resident memory after both runs", "", f"{rss / 1e6:.0f} MB (matmul weights {model.matmul_bytes() / 1e6:.0f} MB, "
-                     f"{weight_format(model)})"))
+    report.update(copy_gbps=copy_bw / 1e9, weight_bytes=weight_bytes(model), floor_tokens_per_s=1 / floor_s)
+    if not args.no_single_stream:
+        solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode", backend,
+                                    ranks=ranks, split=args.split)
+        report["single_stream"] = {**asdict(solo), "tokens_per_s": solo.tokens_per_s}
+        rows.append((solo.name, f"{solo.tokens_per_s:.1f}",
+                     f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "
+                     f"{weight_bytes(model) / 1e6:.0f} MB per step at the copy bandwidth of {copy_bw / 1e9:.1f} GB/s; "
+                     f"weights streamed at {weight_bytes(model) * solo.tokens_per_s / 1e9:.1f} GB/s)"
+                     + (f"; {_split_cell(solo.split)}" if solo.split else "")))
+    rss = resident_bytes()  # the packed weights (plain copies freed) and the KV pools
+    if rss is not None and device.type == "cpu":
+        rows.append(("resident memory after the runs", "", f"{rss / 1e6:.0f} MB (matmul weights "
+                     f"{model.matmul_bytes() / 1e6:.0f} MB, {weight_format(model)})"))
     if args.compare_invariance:
-        plain, _ = load(matmul="torch")
-        backend = select_backend(device, "cpu_sdpa") if device.type == "cpu" else None
-        plain_ours = engine_throughput(plain, prompts, args.max_tokens, "engine, plain kernels", backend)
-        plain_solo = single_stream_decode(plain, prompts[0], args.max_tokens, "single-stream, plain kernels", backend)
-        for plain_result, invariant in ((plain_ours, ours), (plain_solo, solo)):
-            ratio = invariant.tokens_per_s / plain_result.tokens_per_s
-            rows.append((plain_result.name, f"{plain_result.tokens_per_s:.1f}", f"invariant is {ratio:.2f}x this"))
+        rows += _compare(args, model, load, device, dtype, counts, lengths, results, report)
     if not args.no_hf and args.model not in NAMED_CONFIGS:
         rows += _hf_rows(resolve_model(args.model), dtype, device, prompts, args.max_tokens, ours)
     print(render(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     return 0
+
+
+def _compare(args, model, load, device, dtype, counts, lengths, results, report) -> list[tuple[str, str, str]]:
+    """The other kernels on the same prompts: the plain ones on the CPU; on CUDA the invariant ones, or the
+    default ones when this run is the invariant one. The ratio is invariant time over default time."""
+    from pagoda.kernels import select_backend
+
+    this_invariant = device.type != "cuda" or args.batch_invariant
+    if device.type == "cuda" and not args.batch_invariant:
+        matmul, backend = invariant_kernels(device, dtype)
+        other_name = "batch-invariant kernels"
+    else:
+        matmul, backend = "torch", (select_backend(device, "cpu_sdpa") if device.type == "cpu" else
+                                    default_backend(device))
+        other_name = "plain kernels"
+    del model  # the first model's weights stay referenced by the caller; only the other one is built here
+    other, _ = load(matmul=matmul)
+    rows, report["compare"] = [], {"other": other_name, "runs": []}
+    for n in counts:
+        prompts = make_prompts(other.config.vocab_size, lengths, n, args.seed)
+        result = engine_throughput(other, prompts, args.max_tokens, f"engine, {n} prompts, {other_name}", backend,
+                                   split=args.split)
+        mine = results[n]
+        # time ratio: invariant over default (above 1: invariance costs that much)
+        ratio = (result.tokens_per_s / mine.tokens_per_s) if this_invariant else (mine.tokens_per_s / result.tokens_per_s)
+        report["compare"]["runs"].append({"num_prompts": n, **asdict(result), "tokens_per_s": result.tokens_per_s,
+                                          "invariant_time_ratio": ratio})
+        rows.append((result.name, f"{result.tokens_per_s:.1f}",
+                     f"invariant/default time {ratio:.2f}x" + (f"; {_split_cell(result.split)}" if result.split else "")))
+        print(f"  {result.name}: {result.tokens_per_s:.1f} tokens/s, invariant/default time {ratio:.2f}x", flush=True)
+    return rows
+
+
+def _split_cell(split: dict[str, float]) -> str:
+    if not split:
+        return ""
+    cell = (f"step {split['wall_ms']:.2f} ms = forward {split['forward_ms']:.2f} + sampling "
+            f"{split['sampling_ms']:.2f} + host {split['host_ms']:.2f} ({split['steps']:.0f} steps)")
+    if "decode_wall_ms" in split:
+        cell += (f"; decode-only steps {split['decode_wall_ms']:.2f} ms = {split['decode_forward_ms']:.2f} + "
+                 f"{split['decode_sampling_ms']:.2f} + {split['decode_host_ms']:.2f}")
+    return cell
 
 
 def _hf_rows(model_dir: Path, dtype, device, prompts, max_tokens: int, ours: Result) -> list[tuple[str, str, str]]:

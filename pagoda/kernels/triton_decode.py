@@ -195,15 +195,18 @@ def _decode_reduce_kernel(
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, out: Tensor,
-    sliding_window: int = 0, softcap: float = 0.0,
+    sliding_window: int = 0, softcap: float = 0.0, *, split_size: int = SPLIT_SIZE, tile: int = TILE_N,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:  # fmt: skip
     """Decode rows only (every query_len is 1): q/out [B, H, D], caches [N, bs, KVH, D]; the last
-    sliding_window keys if > 0, scores soft-capped if softcap > 0."""
+    sliding_window keys if > 0, scores soft-capped if softcap > 0. The split, tile, warps and stages are
+    the engine's fixed ones; `pagoda bench kernels --sweep` varies them (a tile of other size changes
+    the order of the sums, so the bits, but never with the batch)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    max_splits = triton.cdiv(meta.max_seq_len, SPLIT_SIZE)
+    max_splits = triton.cdiv(meta.max_seq_len, split_size)
     part_acc = torch.empty((num_seqs, num_heads, max_splits, dim_pad), dtype=torch.float32, device=q.device)
     part_m = torch.empty((num_seqs, num_heads, max_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -217,14 +220,14 @@ def decode_attention(
         meta.block_tables.stride(0),
         part_m.stride(0), part_m.stride(1), part_m.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE=TILE_N, SPLIT=SPLIT_SIZE, PRECISION=dot_precision(q),
-        WINDOW=sliding_window > 0, SOFTCAP=softcap > 0,
+        BLOCK_SIZE=block_size, TILE=tile, SPLIT=split_size, PRECISION=dot_precision(q),
+        WINDOW=sliding_window > 0, SOFTCAP=softcap > 0, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, num_heads)](
         out, part_acc, part_m, part_l, meta.seq_lens, meta.query_start_loc,
         sliding_window,
         out.stride(0), out.stride(1),
         part_m.stride(0), part_m.stride(1), part_m.stride(2),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLIT=SPLIT_SIZE, WINDOW=sliding_window > 0,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLIT=split_size, WINDOW=sliding_window > 0,
     )  # fmt: skip
     return out
