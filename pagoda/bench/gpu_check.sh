@@ -4,7 +4,7 @@
 #   bash pagoda/bench/gpu_check.sh [--quick]      (from anywhere; runs in the repository root)
 #
 # Sections, in order, each under its own time limit and all of them under one deadline ($GPU_CHECK_DEADLINE
-# seconds, 540 by default; a section that would start with under 25 s left is skipped); a section that fails
+# seconds, 420 by default; a section that would start with under 25 s left is skipped); a section that fails
 # never stops the next:
 #   env          python, torch, triton, CUDA versions and nvidia-smi
 #   tests        the GPU kernel tests (tests/kernels/test_triton_*.py, tests/core/test_sampler_gpu.py)
@@ -31,7 +31,7 @@ LOG="$OUT_DIR/log.txt"
 PARTS="$(mktemp -d /tmp/pagoda_gpu_check.XXXXXX)"
 MODELS="$PARTS/models"
 START=$(date +%s)
-DEADLINE="${GPU_CHECK_DEADLINE:-540}"
+DEADLINE="${GPU_CHECK_DEADLINE:-420}"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
 
@@ -105,7 +105,7 @@ TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_matmul.py test
 XDIST=()
 [ "$QUICK" = 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST=(-n 8)
 # --noconftest: the kernel tests need none of the repository's fixtures (nor their dependencies)
-section tests 200 "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" --noconftest -p no:cacheprovider -q -rfEs \
+section tests 150 "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" --noconftest -p no:cacheprovider -q -rfEs \
   --junitxml "$OUT_DIR/gpu_tests.xml"
 
 if [ "$QUICK" = 1 ]; then
@@ -121,17 +121,17 @@ if [ "$QUICK" = 1 ]; then
   section nccl 120 sh -c '"$0" -m pagoda.bench.gpu_extras nccl --model "$1" --device cpu --max-tokens 8 \
     --json "$JSON"' "$PY" "$MODELS/serve"
 else
-  section kernels 120 sh -c '"$0" -m pagoda.bench.kernels --sweep --json "$JSON"' "$PY"
+  section kernels 90 sh -c '"$0" -m pagoda.bench.kernels --sweep --json "$JSON"' "$PY"
   OFFLINE=(--device cuda --dtype bfloat16 --num-prompts 1,16,64 --prompt-lens 128 --max-tokens 64 --split
            --compare-invariance --no-hf)
-  section offline_1b 110 sh -c '"$0" -m pagoda bench offline --model llama-3.2-1b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
-  section offline_8b 130 sh -c '"$0" -m pagoda bench offline --model llama-3.1-8b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
-  section invariance 100 sh -c '"$0" -m pagoda.bench.gpu_invariance --model llama-3.2-1b --json "$JSON"' "$PY"
-  section models 45 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape smollm2-135m --dtype bfloat16
-  section serve 110 sh -c '"$0" -m pagoda.bench.gpu_serve_check --model "$1" --device cuda --disconnect-tokens 6000 \
+  section offline_1b 80 sh -c '"$0" -m pagoda bench offline --model llama-3.2-1b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  section offline_8b 100 sh -c '"$0" -m pagoda bench offline --model llama-3.1-8b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  section invariance 80 sh -c '"$0" -m pagoda.bench.gpu_invariance --model llama-3.2-1b --json "$JSON"' "$PY"
+  section models 40 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape smollm2-135m --dtype bfloat16
+  section serve 90 sh -c '"$0" -m pagoda.bench.gpu_serve_check --model "$1" --device cuda --disconnect-tokens 6000 \
     --log "$2" --json "$JSON" -- --dtype bfloat16 --num-blocks 4096' "$PY" "$MODELS/serve" "$PARTS/serve_server.log"
-  section moe 60 sh -c '"$0" -m pagoda.bench.gpu_extras moe --device cuda --json "$JSON"' "$PY"
-  section nccl 90 sh -c '"$0" -m pagoda.bench.gpu_extras nccl --model "$1" --device cuda --max-tokens 16 \
+  section moe 50 sh -c '"$0" -m pagoda.bench.gpu_extras moe --device cuda --json "$JSON"' "$PY"
+  section nccl 70 sh -c '"$0" -m pagoda.bench.gpu_extras nccl --model "$1" --device cuda --max-tokens 16 \
     --json "$JSON"' "$PY" "$MODELS/serve"
 fi
 
