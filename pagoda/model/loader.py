@@ -296,7 +296,9 @@ def load_shard(model_dir: Path, options: Any, group: TensorGroup = SOLO,
     model_config = read_config(model_dir, architectures)
     max_positions = context_length(options, model_config)  # refused before any weight loads
     shard = ShardPlan.of(model_config, group.rank, group.size)  # refuses a group larger than the KV heads
+    # on CUDA, invariance is a choice of kernels (the CPU proves its own at start-up, pagoda/model/invariance.py)
+    invariant_cuda = device.type == "cuda" and options.invariant_on(device) and options.quantization in ("none", "auto")
     model, _ = load_model(model_dir, dtype=resolve_dtype(options.dtype, device), device=device,
                           max_positions=max_positions, quantization=options.quantization, shard=shard, group=group,
-                          architectures=architectures)
+                          architectures=architectures, matmul="triton_invariant" if invariant_cuda else None)
     return model

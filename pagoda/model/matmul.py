@@ -96,6 +96,17 @@ INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
 # products under 16M multiply-adds stay on one thread (docs/performance.md, "pagoda's C++ CPU kernels").
 INT8_AVX2 = MatmulKernel("int8_avx2", 1, quantize.int8_avx2_linear, quantize.quantize_int8_float_scales,
                          min_parallel_work=16 << 20)
+
+
+def _triton_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    from pagoda.kernels import triton_matmul  # triton loads only where this kernel is chosen
+
+    return triton_matmul.linear(x, weight, bias)
+
+
+# CUDA with --batch-invariant: a Triton matmul whose tiles and K order never depend on the row count
+# (pagoda/kernels/triton_matmul.py), so every row count gives a row the same bits, with no padding.
+TRITON_INVARIANT = MatmulKernel("triton_invariant", 1, _triton_linear)
 QUANTIZATIONS = ("none", "int8", "int4", "auto")  # --quantization
 # `auto` is `none`: no int format is the fastest at every row count (int8_avx2 loses at 64 rows, torch's
 # int kernels from 16), and switching kernels by row count would break batch invariance
@@ -123,7 +134,8 @@ def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKer
 
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
-    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4, INT8_AVX2)}
+    kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4, INT8_AVX2,
+                                   TRITON_INVARIANT)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")

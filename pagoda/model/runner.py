@@ -120,7 +120,8 @@ class TorchModelRunner:
         self.device, self.dtype = param.device, param.dtype
         # before it serves: each product's calls capped at the rows this machine proved row invariant
         self.invariance = prove_row_invariance(model.packs(), self.dtype, config.batch_invariant)
-        self.backend = backend if backend is not None else select_backend(self.device)
+        self.backend = (backend if backend is not None
+                        else select_backend(self.device, batch_invariant=config.batch_invariant))
         self.switch_threads = self.device.type == "cpu"  # the design note: a small step's work on one thread
         self.small_rows, self.small_attention = SMALL_ROWS, SMALL_ATTENTION  # its thresholds (benchmarks vary them)
         # the LM head's kernel may differ from the layers' (a float head over int4 layers)
