@@ -36,7 +36,9 @@ def moe(device: torch.device, dtype: torch.dtype, rows: Sequence[int], max_token
                         ("head_dim", 128), ("top_k", 4), ("moe_intermediate", 256), ("experts", 32)):
         parser.add_argument(f"--{name}", type=int, default=value)
     config, _ = configs(parser.parse_args([]))
-    model = build_model(config, dtype=dtype, device=device, max_positions=1024)
+    # the check against the dense reference runs in float32: in bfloat16 a near-tie in the router's top-k
+    # may pick other experts in the two paths, which is rounding, not a fault of the paged path
+    model = build_model(config, dtype=torch.float32, device=device, max_positions=1024)
     model.init_random_weights(seed=0, std=0.1)
     result: dict[str, Any] = {"shape": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers",
                                                                            "num_experts", "num_experts_per_tok")}}
@@ -59,6 +61,8 @@ def moe(device: torch.device, dtype: torch.dtype, rows: Sequence[int], max_token
     result["prefill_vs_reference_rel_err"] = err
     result["ok"] = err < 3e-2
     result["throughput"] = []
+    model = build_model(config, dtype=dtype, device=device, max_positions=1024)
+    model.init_random_weights(seed=0, std=0.1)
     for n in rows:
         engine = make_engine(model, dataclasses.replace(bench_config(n, 128 + max_tokens), speculative=None))
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
