@@ -24,6 +24,7 @@ BENCHMARKS = {
     "moe": "pagoda.bench.moe",
     "fleet": "pagoda.bench.fleet",
     "router-read": "pagoda.bench.router_read",
+    "invariance": "pagoda.bench.invariance",
 }
 
 
