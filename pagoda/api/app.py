@@ -67,7 +67,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                         generation_defaults=dict(settings.generation_defaults))
     served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len,
                          aliases=settings.served_model_aliases,
-                         architecture=async_engine.engine.describe().get("architecture"))
+                         architecture=async_engine.engine.describe().get("architecture"),
+                         batch_invariant=async_engine.engine.describe().get("batch_invariant"))
     route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context)
     guards = [tenants.guard] if tenants.needs_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]

@@ -36,6 +36,8 @@ class ServedModel:
     max_model_len: int  # prompt + output tokens of one request
     aliases: tuple[str, ...] = ()  # more names clients may send for it (--served-model-name A B ...)
     architecture: Mapping[str, str] | None = None  # {"name": config's class, "plugin": the architecture plugin}
+    # {"on": bool, "why": the path start-up proved, or why it is off, ...} (pagoda/model/invariance.py)
+    batch_invariant: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--max-batched-tokens": (["--max-batched-tokens", "123"], lambda b: b.config.max_batched_tokens == 123),
     "--max-model-len": (["--max-model-len", "100"], lambda b: b.config.max_model_len == 100),
     "--no-prefix-caching": (["--no-prefix-caching"], lambda b: b.config.enable_prefix_caching is False),
+    "--batch-invariant": (["--batch-invariant"], lambda b: b.options.batch_invariant is True and b.config.batch_invariant),
+    "--no-batch-invariant": (["--no-batch-invariant"], lambda b: b.config.batch_invariant is False),
     "--api-key": (["--api-key", "sekret"], lambda b: b.settings.api_key == "sekret"),
     "--api-keys-file": (["--api-keys-file", "keys.toml"], lambda b: b.settings.api_keys_file == "keys.toml"),
     "--disconnect-policy": (["--disconnect-policy", "finish"], lambda b: b.settings.disconnect_policy == "finish"),
@@ -161,5 +163,39 @@ def test_serve_states_the_speculation_in_force_at_start_up_and_in_health(tiny_mo
         url = READY.search(lines[-1]).group(1)
         health = httpx.get(f"{url}/health", timeout=30).json()
         assert health["speculation"]["active"] is True and health["speculation"]["reason"] in said
+    finally:
+        stop_child(child, log)
+
+
+@pytest.mark.parametrize("flag", ["--batch-invariant", "--no-batch-invariant"])
+def test_serve_states_the_batch_invariance_path_at_start_up_in_health_and_on_the_card(tiny_model_dir, flag):
+    """The path the start-up probe took (or that it is off) on stderr, in /health and on /v1/models' card."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from pagoda.bench.serve.server import READY, stop_child
+
+    cmd = [sys.executable, "-m", "pagoda", "serve", "--model", str(tiny_model_dir), "--port", "0", "--dtype",
+           "float32", "--num-blocks", "64", "--log-level", "warning", flag]
+    log = open(tiny_model_dir.parent / f"serve{flag}.log", "w+")
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        lines = []
+        for line in child.stdout:
+            lines.append(line)
+            if READY.search(line):
+                break
+        log.seek(0)
+        said = log.read()
+        url = READY.search(lines[-1]).group(1)
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+        on = flag == "--batch-invariant"
+        assert health["batch_invariant"]["on"] is on and card["batch_invariant"]["on"] is on
+        assert f"pagoda serve: batch invariance {health['batch_invariant']['why']}" in said, said
+        assert ("may depend on the batch" in said) is not on
+        assert health["machine"]["cores"] >= 1 and health["machine"]["cpu"] and health["kernels"]["matmul"]
     finally:
         stop_child(child, log)

@@ -55,9 +55,11 @@ def pagoda_register_routes(register):
 
 @hookimpl
 def pagoda_model_card(model: ServedModel) -> dict[str, Any]:
-    """pagoda's own fields: the context length of one request (as vLLM reports it), and which architecture
-    (config class and plugin) serves."""
+    """pagoda's own fields: the context length of one request (as vLLM reports it), which architecture
+    (config class and plugin) serves, and whether answers are batch invariant (and how start-up proved it)."""
     card: dict[str, Any] = {"max_model_len": model.max_model_len}
     if model.architecture:
         card["architecture"] = dict(model.architecture)
+    if model.batch_invariant:
+        card["batch_invariant"] = dict(model.batch_invariant)
     return card
