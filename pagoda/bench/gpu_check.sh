@@ -7,11 +7,15 @@
 # seconds, 420 by default; a section that would start with under 25 s left is skipped); a section that fails
 # never stops the next:
 #   env          python, torch, triton, CUDA versions and nvidia-smi
-#   tests        the GPU kernel tests (tests/kernels/test_triton_*.py, tests/core/test_sampler_gpu.py)
+#   tests        the GPU kernel tests (tests/kernels/test_triton_*.py, tests/core/test_sampler_gpu.py) and the
+#                CUDA graph tests (tests/model/test_cuda_graphs.py)
 #   kernels      pagoda bench kernels: decode (batch 1/16/64 x context 1k/4k/16k) as a share of copy bandwidth,
 #                the invariant backend beside it, prefill against torch SDPA, the decode kernel's variants
 #   offline_1b   pagoda bench offline, Llama-3.2-1B shape, bfloat16, 1/16/64 prompts, step split, and the
-#   offline_8b   batch-invariant kernels' cost; then the same at the Llama-3.1-8B shape
+#                batch-invariant kernels' cost
+#   graphs_1b    the same shape and prompts without and with CUDA graphs for decode steps (--cuda-graphs): the
+#                step split of both, and their tokens and sampled logits rows compared bitwise (exit 1 if not equal)
+#   offline_8b   offline_1b at the Llama-3.1-8B shape
 #   invariance   one prompt alone vs in a crowd of 64: per op and end to end, default and invariant modes
 #   models       a random-weight SmolLM2-135M-shaped Hugging Face directory with a tokenizer made here
 #   serve        pagoda serve --device cuda on it, driven by the openai and anthropic SDKs, and a disconnect
@@ -101,7 +105,7 @@ section() {
 
 # ---------------------------------------------------------------- the sections
 TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_matmul.py tests/kernels/test_triton_interpret.py
-       tests/core/test_sampler_gpu.py)
+       tests/core/test_sampler_gpu.py tests/model/test_cuda_graphs.py)
 XDIST=()
 [ "$QUICK" = 0 ] && "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST=(-n 8)
 # on a GPU the kernels run compiled; the interpreter cases are the CPU's (Triton 3.6's interpreter fails on
@@ -115,6 +119,9 @@ if [ "$QUICK" = 1 ]; then
   section kernels 120 sh -c '"$0" -m pagoda.bench.kernels --device cpu --quick --reps 1 --threads 1 --json "$JSON"' "$PY"
   OFFLINE=(--device cpu --num-prompts 1,4 --prompt-lens 32 --max-tokens 8 --split --compare-invariance --no-hf)
   section offline_1b 120 sh -c '"$0" -m pagoda bench offline --model tiny "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  GRAPHS=(--device cpu --num-prompts 1,4 --prompt-lens 32 --max-tokens 8 --split --compare-cuda-graphs --no-hf
+          --no-single-stream)
+  section graphs_1b 60 sh -c '"$0" -m pagoda bench offline --model tiny "$@" --json "$JSON"' "$PY" "${GRAPHS[@]}"
   section invariance 120 sh -c '"$0" -m pagoda.bench.gpu_invariance --model tiny --device cpu --crowd 8 \
     --prompt-len 60 --max-tokens 6 --budget 64 --json "$JSON"' "$PY"
   section models 60 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape tiny --dtype float32 --device cpu
@@ -128,6 +135,9 @@ else
   OFFLINE=(--device cuda --dtype bfloat16 --num-prompts 1,16,64 --prompt-lens 128 --max-tokens 64 --split
            --compare-invariance --no-hf)
   section offline_1b 80 sh -c '"$0" -m pagoda bench offline --model llama-3.2-1b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
+  GRAPHS=(--device cuda --dtype bfloat16 --num-prompts 1,16,64 --prompt-lens 128 --max-tokens 64 --split
+          --compare-cuda-graphs --no-hf --no-single-stream)
+  section graphs_1b 60 sh -c '"$0" -m pagoda bench offline --model llama-3.2-1b "$@" --json "$JSON"' "$PY" "${GRAPHS[@]}"
   section offline_8b 100 sh -c '"$0" -m pagoda bench offline --model llama-3.1-8b "$@" --json "$JSON"' "$PY" "${OFFLINE[@]}"
   section invariance 80 sh -c '"$0" -m pagoda.bench.gpu_invariance --model llama-3.2-1b --json "$JSON"' "$PY"
   section models 40 "$PY" -m pagoda.bench.gpu_model "$MODELS/serve" --shape smollm2-135m --dtype bfloat16

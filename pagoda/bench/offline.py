@@ -16,6 +16,9 @@ Three measurements in one run, on the same weights and prompts:
 - with --split, each engine run's steps are split into the forward (on the device, to its end),
   sampling and host work (scheduling, input preparation, bookkeeping): the device is synchronized at
   those boundaries only then, so the plain runs are not slowed;
+- with --cuda-graphs on CUDA, decode-only steps replay CUDA graphs (pagoda/model/cuda_graphs.py); with
+  --compare-cuda-graphs, each count runs without them and then with them, and the two runs' tokens and
+  sampled logits rows are compared bitwise;
 - with --batch-invariant on CUDA, the engine runs on the batch-invariant kernels (the Triton matmul of
   kernels/triton_matmul.py and the "triton_invariant" attention); with --compare-invariance beside it,
   the default kernels run too and the cost is their ratio.
@@ -73,6 +76,7 @@ def step_split(engine: Engine, parts: dict[str, float]) -> Iterator[None]:
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     runner = engine.runner
     step, execute, prepare, collect = engine.step, runner.execute, runner.prepare, engine._collect
+    fill_graph = runner.fill_graph  # a CUDA graph step's input preparation (pagoda/model/cuda_graphs.py)
     current: collections.Counter = collections.Counter()  # this step's parts, in seconds
     totals: collections.Counter = collections.Counter()
 
@@ -108,13 +112,15 @@ def step_split(engine: Engine, parts: dict[str, float]) -> Iterator[None]:
         return execute(batch)
 
     runner.prepare = timed("prepare", prepare)
+    runner.fill_graph = timed("prepare", fill_graph)
     runner.execute = timed("execute", execute_batch, sync)
     engine._collect = timed("sampling", collect)
     engine.step = timed_step
     try:
         yield
     finally:
-        for owner, attr in ((runner, "prepare"), (runner, "execute"), (engine, "_collect"), (engine, "step")):
+        for owner, attr in ((runner, "prepare"), (runner, "fill_graph"), (runner, "execute"), (engine, "_collect"),
+                            (engine, "step")):
             delattr(owner, attr)  # the instance attribute goes; the class's method is back
         for prefix in ("", "decode_"):
             if n := totals[prefix + "steps"]:
@@ -130,33 +136,81 @@ def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed
 
 
 def bench_config(num_prompts: int, max_len: int, *, block_size: int = EngineConfig.block_size,
-                 max_batched_tokens: int = 2048) -> EngineConfig:
+                 max_batched_tokens: int = 2048, cuda_graphs: bool = False) -> EngineConfig:
     """A pool that holds every prompt at full length (no preemption in a benchmark)."""
     num_blocks = num_prompts * -(-max_len // block_size) + 1
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max(num_prompts, 1),
-                        max_batched_tokens=max_batched_tokens, max_model_len=max_len)
+                        max_batched_tokens=max_batched_tokens, max_model_len=max_len, cuda_graphs=cuda_graphs)
 
 
 def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None, ranks=None,
-                      split: bool = False) -> Result:
-    """All prompts added at once, stepped until done: generated tokens / wall seconds (with --split, its parts)."""
-    engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens), backend=backend,
-                         ranks=ranks)
+                      split: bool = False, cuda_graphs: bool = False, check: GraphCheck | None = None) -> Result:
+    """All prompts added at once, stepped until done: generated tokens / wall seconds (with --split, its parts;
+    with `check`, every step's logits and every request's tokens kept or compared)."""
+    engine = make_engine(model, bench_config(len(prompts), max(map(len, prompts)) + max_tokens,
+                                             cuda_graphs=cuda_graphs), backend=backend, ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompts[0], params)
+    if check is not None:
+        check.watch(engine)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
     parts: dict[str, float] = {}
+    generated = 0
     with step_split(engine, parts) if split else _nothing():
-        generated = sum(len(out.new_token_ids) for out in engine.run())
+        for out in engine.run():
+            generated += len(out.new_token_ids)
+            if check is not None:
+                check.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return Result(name, generated, time.perf_counter() - start, parts)
 
 
+class GraphCheck:
+    """One engine run's tokens and every step's sampled logits rows (kept on the device, a copy per step: the same
+    small cost with and without CUDA graphs), to compare two runs bitwise after both."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.logits: list[torch.Tensor] = []  # per step that sampled: float32 [rows, V]
+
+    def watch(self, engine: Engine) -> None:
+        """Keep the logits of each step the runner runs from now on (an instance attribute wraps its run)."""
+        runner = engine.runner
+        run = runner.run
+
+        def run_and_keep(plan):
+            logits = run(plan)
+            if logits is not None:
+                self.logits.append(logits.clone())
+            return logits
+
+        runner.run = run_and_keep
+
+    def compare(self, other: GraphCheck) -> dict:
+        """Tokens equal, and how many logits rows are bitwise equal, step by step."""
+        rows = rows_equal = 0
+        max_diff = 0.0
+        steps_equal = len(self.logits) == len(other.logits)
+        for mine, theirs in zip(self.logits, other.logits):
+            if mine.shape != theirs.shape:
+                steps_equal = False
+                continue
+            rows += mine.shape[0]
+            rows_equal += int((mine == theirs).all(dim=1).sum())
+            if mine.numel():
+                max_diff = max(max_diff, float((mine - theirs).abs().max()))
+        tokens_equal = self.tokens == other.tokens
+        return {"tokens_equal": tokens_equal, "logits_rows_equal": rows_equal, "logits_rows": rows,
+                "steps_equal": steps_equal, "max_abs_logit_difference": max_diff,
+                "ok": tokens_equal and steps_equal and rows_equal == rows}
+
+
 def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None, ranks=None,
-                         split: bool = False) -> Result:
+                         split: bool = False, cuda_graphs: bool = False) -> Result:
     """One request: decode steps only, tokens per second from the median step time (with --split, its parts)."""
-    engine = make_engine(model, bench_config(1, len(prompt) + max_tokens), backend=backend, ranks=ranks)
+    engine = make_engine(model, bench_config(1, len(prompt) + max_tokens, cuda_graphs=cuda_graphs), backend=backend,
+                         ranks=ranks)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     _warm_up(engine, prompt, params)
     engine.add_request("solo", prompt, params)
@@ -279,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-invariant", action="store_true",
                    help="on CUDA, run the batch-invariant kernels (the CPU's default kernels already are)")
     p.add_argument("--split", action="store_true", help="split each step into forward, sampling and host work")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode-only steps replay CUDA graphs (CUDA only)")
+    p.add_argument("--compare-cuda-graphs", action="store_true",
+                   help="each count without CUDA graphs, then with them: time, step split, and the tokens and "
+                        "logits rows compared bitwise (the exit status is 1 if they differ)")
     p.add_argument("--no-single-stream", action="store_true", help="skip the single-stream decode run")
     p.add_argument("--json", default=None, help="also write the measurements to this file")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -339,14 +397,21 @@ def _run(args, model, config, device, dtype, load, ranks, backend=None) -> int:
     report: dict = {"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                     "kernels": kind, "max_tokens": args.max_tokens, "prompt_lens": lengths, "runs": []}
     rows, results = [], {}
+    graphs_ok = True
     for n in counts:
         prompts = make_prompts(config.vocab_size, lengths, n, args.seed)
+        check = GraphCheck() if args.compare_cuda_graphs else None
         result = engine_throughput(model, prompts, args.max_tokens, f"pagoda engine, {n} prompts at once",
-                                   backend, ranks=ranks, split=args.split)
+                                   backend, ranks=ranks, split=args.split,
+                                   cuda_graphs=args.cuda_graphs and not args.compare_cuda_graphs, check=check)
         results[n] = result
         rows.append((result.name, f"{result.tokens_per_s:.1f}", _split_cell(result.split)))
         report["runs"].append({"num_prompts": n, **asdict(result), "tokens_per_s": result.tokens_per_s})
         print(f"  {result.name}: {result.tokens_per_s:.1f} tokens/s {_split_cell(result.split)}", flush=True)
+        if check is not None:
+            row, ok = _graphs_run(args, model, prompts, backend, result, check, report)
+            rows.append(row)
+            graphs_ok &= ok
     ours = results[counts[-1]]
     prompts = make_prompts(config.vocab_size, lengths, counts[-1], args.seed)
     copy_bw = measure_copy_bandwidth(device, 256 << 20)
@@ -354,7 +419,7 @@ def _run(args, model, config, device, dtype, load, ranks, backend=None) -> int:
     report.update(copy_gbps=copy_bw / 1e9, weight_bytes=weight_bytes(model), floor_tokens_per_s=1 / floor_s)
     if not args.no_single_stream:
         solo = single_stream_decode(model, prompts[0], args.max_tokens, "pagoda single-stream decode", backend,
-                                    ranks=ranks, split=args.split)
+                                    ranks=ranks, split=args.split, cuda_graphs=args.cuda_graphs)
         report["single_stream"] = {**asdict(solo), "tokens_per_s": solo.tokens_per_s}
         rows.append((solo.name, f"{solo.tokens_per_s:.1f}",
                      f"{solo.tokens_per_s * floor_s:.0%} of the floor ({1 / floor_s:.1f} tokens/s: "
@@ -373,7 +438,33 @@ def _run(args, model, config, device, dtype, load, ranks, backend=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    return 0
+    return 0 if graphs_ok else 1
+
+
+def _graphs_run(args, model, prompts, backend, eager: Result, kept: GraphCheck, report) -> tuple[tuple, bool]:
+    """The same prompts with CUDA graphs: its row, and whether its tokens and logits equal the eager run's."""
+    n = len(prompts)
+    check = GraphCheck()
+    result = engine_throughput(model, prompts, args.max_tokens, f"engine, {n} prompts, CUDA graphs", backend,
+                               split=args.split, cuda_graphs=True, check=check)
+    verdict = check.compare(kept)
+    kept.logits.clear()
+    check.logits.clear()
+    ratio = eager.seconds / result.seconds  # above 1: graphs are faster (the eager run went first: its prefill's
+    # first calls at this count's shapes are in its time, so the decode-only steps' ratio is the fairer one)
+    decode = (eager.split["decode_wall_ms"] / result.split["decode_wall_ms"]
+              if "decode_wall_ms" in eager.split and "decode_wall_ms" in result.split else None)
+    report.setdefault("cuda_graphs", []).append({"num_prompts": n, **asdict(result),
+                                                 "tokens_per_s": result.tokens_per_s, "speedup": ratio,
+                                                 "decode_step_speedup": decode, **verdict})
+    same = (f"tokens {'equal' if verdict['tokens_equal'] else 'DIFFER'}, logits rows bitwise equal "
+            f"{verdict['logits_rows_equal']}/{verdict['logits_rows']}"
+            + ("" if verdict["steps_equal"] else ", steps DIFFER")
+            + (f" (max abs difference {verdict['max_abs_logit_difference']:.3g})" if not verdict["ok"] else ""))
+    print(f"  {result.name}: {result.tokens_per_s:.1f} tokens/s, {ratio:.2f}x without; {same}", flush=True)
+    cell = (f"{ratio:.2f}x without" + (f" (decode-only steps {decode:.2f}x)" if decode else "") + f"; {same}"
+            + (f"; {_split_cell(result.split)}" if result.split else ""))
+    return (result.name, f"{result.tokens_per_s:.1f}", cell), verdict["ok"]
 
 
 def _compare(args, model, load, device, dtype, counts, lengths, results, report) -> list[tuple[str, str, str]]:

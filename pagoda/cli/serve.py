@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="each answer's bits independent of the batch it ran in (default: on for the CPU, which "
                         "proves its kernels at start-up; off for CUDA); --no-batch-invariant: the fastest kernels")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode-only steps of up to 64 sequences replay CUDA graphs captured at start-up (CUDA only; "
+                        "elsewhere it says why not and runs as without)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants: their keys' SHA-256, weights, priorities and limits (.json or .toml; "
@@ -117,7 +120,7 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
                          speculative=args.speculative, scheduling_policy=args.scheduling_policy,
                          scheduling_policies=scheduling_policies, batch_invariant=args.batch_invariant,
-                         **parallel_fields(args))
+                         cuda_graphs=args.cuda_graphs, **parallel_fields(args))
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -196,6 +199,9 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
     # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read
     print(f"pagoda serve: speculative decoding {engine.speculation.reason}", file=sys.stderr, flush=True)
     print(f"pagoda serve: batch invariance {engine.runner.invariance.summary()}", file=sys.stderr, flush=True)
+    if args.cuda_graphs:
+        print(f"pagoda serve: CUDA graphs {getattr(engine.runner, 'graphs_summary', 'off: not this runner')}",
+              file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:
         print(f"pagoda serving {settings.served_model_name!r} at {url}", flush=True)

@@ -77,6 +77,7 @@ class EngineOptions:
     scheduling_policies: Mapping[str, type[SchedulingPolicy]] | None = None
     # --batch-invariant / --no-batch-invariant; None: on for the CPU, off for CUDA (its invariant kernels cost time)
     batch_invariant: bool | None = None
+    cuda_graphs: bool = EngineConfig.cuda_graphs  # --cuda-graphs: decode-only steps replay CUDA graphs (CUDA only)
 
     def invariant_on(self, device: torch.device) -> bool:
         """Whether answers must not depend on the batch, on this device."""
@@ -116,6 +117,8 @@ def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tupl
     engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, policies=policies)
     logger.info("speculative decoding %s", engine.speculation.reason)
     logger.info("batch invariance %s", runner.invariance.summary())
+    if config.cuda_graphs:  # asked for: say whether they run, and why not
+        (logger.info if runner.graphs is not None else logger.warning)("CUDA graphs %s", runner.graphs_summary)
     return engine
 
 
@@ -130,7 +133,7 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
                         max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
                         enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
                         speculative=options.speculative, scheduling_policy=options.scheduling_policy,
-                        batch_invariant=options.invariant_on(device))
+                        batch_invariant=options.invariant_on(device), cuda_graphs=options.cuda_graphs)
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:

@@ -41,6 +41,11 @@ sequences of 64-4096 tokens but one (64 x 1024, 0.59M score elements: 1.15x
 slower), 170 against 190 ms at 64 x 4096 (2.4M) (`pagoda bench kernels
 --threads 1` against `--threads 2`, docs/performance.md).
 
+CUDA graphs (`EngineConfig.cuda_graphs`, off by default). On CUDA a decode-only step of up to 64
+sequences replays a graph captured at start-up for the smallest batch-size bucket that holds it, its
+rows copied into static buffers first (`fill_graph`); every other step runs as below
+(pagoda/model/cuda_graphs.py). Elsewhere, or where a capture fails, the runner says why and runs eagerly.
+
 Tensor parallelism. A step is first reduced to its `StepPlan`: the plain lists (token ids,
 lengths, block tables, the rows that sample) everything after depends on. A
 `TensorParallelRunner` (rank 0's) sends the plan to the other ranks in one broadcast and runs
@@ -64,6 +69,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import cpu_facts
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
+from pagoda.model import cuda_graphs
 from pagoda.model.config import ModelConfig
 from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.loader import weight_format
@@ -127,8 +133,17 @@ class TorchModelRunner:
         # the LM head's kernel may differ from the layers' (a float head over int4 layers)
         self.row_multiple = row_multiple or max(model.matmul.row_multiple, model.lm_head_packed.matmul.row_multiple)
         c, shard = self.model_config, model.shard
-        shape = (self.num_blocks, self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
+        # config.cuda_graphs: decode-only steps replay CUDA graphs (pagoda/model/cuda_graphs.py), whose padded rows
+        # write a scratch block past the pool
+        why_not = cuda_graphs.unavailable(self.device, model) if config.cuda_graphs else "off: not asked for"
+        graphs = config.cuda_graphs and why_not is None
+        shape = (self.num_blocks + int(graphs), self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.graphs_summary = why_not if not config.cuda_graphs else f"off: {why_not}; every step runs eagerly"
+        if graphs:
+            self.graphs, self.graphs_summary = cuda_graphs.start(self, config.max_running, config.max_model_len,
+                                                                 scratch_block=self.num_blocks)
 
     def describe(self) -> dict[str, Any]:
         """What /health and the model card say of the model: its architecture and the plugin that built it."""
@@ -147,6 +162,8 @@ class TorchModelRunner:
     def run(self, plan: StepPlan) -> Tensor | None:
         """The forward of one step's plan: its KV written, float32 logits [sample rows, V] (None: none sample,
         or this rank is not the one that samples)."""
+        if self.graphs is not None and (logits := self._replay(plan)) is not None:
+            return logits
         inputs = self.prepare(plan)
         with inputs.threads.step():  # a small CPU step: on one thread, but for its linear layers
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)  # [Tp, H]
@@ -154,6 +171,18 @@ class TorchModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [Sp, V] (rank 0's)
         return None if logits is None else logits[: inputs.num_samples]
+
+    def _replay(self, plan: StepPlan) -> Tensor | None:
+        """A decode-only step through its bucket's CUDA graph: float32 logits [n, V] (None: it runs eagerly)."""
+        bucket = self.graphs.can_run(plan.query_lens, plan.seq_lens, plan.block_tables, plan.logits_rows)
+        if bucket is None:
+            return None
+        self.fill_graph(bucket, plan)
+        return self.graphs.replay(bucket, len(plan.seq_lens))
+
+    def fill_graph(self, bucket: int, plan: StepPlan) -> None:
+        """A graph step's input preparation: its rows copied into the static buffers."""
+        self.graphs.fill(bucket, plan.seq_lens, plan.token_ids, plan.block_tables)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the chunks into padded token rows and build the step's attention metadata."""
