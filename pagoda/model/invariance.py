@@ -40,6 +40,8 @@ from pagoda.model.matmul import MatmulKernel, PackedWeight
 
 logger = logging.getLogger("pagoda.model")
 
+# kernels off the CPU whose bits never depend on the row count, by construction (pagoda/kernels/triton_matmul.py)
+INVARIANT_BY_CONSTRUCTION = {"triton_invariant"}
 PROBE_ROWS = 256  # the largest call proven: a product of more rows runs as calls of at most this many
 MIN_ELEMENTS = 1 << 18  # output elements compared at each row count (where the pool of rows has them)
 
@@ -85,18 +87,23 @@ class InvarianceReport:
     batch_invariant: bool
     # per product shape "kernel out x in": its largest proven call and the first call that differed (or None)
     products: dict[str, RowProbe] = field(default_factory=dict)
+    device_kernels: set[str] = field(default_factory=set)  # the kernels of products off the CPU (not probed)
 
     @property
     def proven(self) -> bool:
-        """Whether every product got at least one proven call size."""
-        return self.batch_invariant and all(p.max_rows > 0 for p in self.products.values())
+        """Whether every CPU product got at least one proven call size and every other runs an invariant kernel."""
+        return (self.batch_invariant and all(p.max_rows > 0 for p in self.products.values())
+                and self.device_kernels <= INVARIANT_BY_CONSTRUCTION)
 
     def summary(self) -> str:
         """One line: the path taken and why."""
         if not self.batch_invariant:
             return "off (--no-batch-invariant): the fastest kernels, one call per product; answers may depend on the batch"
-        if not self.products:  # not a CPU: the device's kernels were chosen for it (matmul.py)
-            return "on: kernels chosen to be row invariant on this device"
+        if self.device_kernels and not self.products:  # not a CPU: invariance is the choice of kernels (matmul.py)
+            names = ", ".join(sorted(self.device_kernels))
+            if self.proven:
+                return f"on: {names}, whose tiles never depend on the row count"
+            return f"on, NOT proven: {names} may give a row other bits in another batch (use the loader's choice)"
         capped = {k: p for k, p in self.products.items() if p.first_variant is not None}
         if not capped:
             return f"on: every product proven row invariant in calls of up to {PROBE_ROWS} rows on this CPU"
@@ -152,7 +159,10 @@ def prove_row_invariance(packs: list[tuple[PackedWeight, Tensor]], dtype: torch.
     report = InvarianceReport(batch_invariant)
     for packed, weight in packs:
         packed.max_rows = 0
-        if not batch_invariant or weight.device.type != "cpu" or packed.matmul.row_multiple < 1:
+        if not batch_invariant:
+            continue
+        if weight.device.type != "cpu":
+            report.device_kernels.add(packed.matmul.name)
             continue
         shape = packed.shape or tuple(weight.shape)
         name = f"{packed.matmul.name} {shape[0]}x{shape[1]}"

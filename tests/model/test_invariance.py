@@ -86,3 +86,13 @@ def test_the_engine_setting_reaches_the_runner_and_its_description(tmp_path, mon
         assert described["batch_invariant"]["on"] is on
         assert set(described["machine"]) >= {"cpu", "isa", "cores"} and described["kernels"]["matmul"]
         assert bool(engine.runner.invariance.products) is on
+
+
+def test_off_the_cpu_the_report_names_the_kernels_and_proves_only_the_invariant_ones():
+    from pagoda.model.matmul import PLAIN, TRITON_INVARIANT
+
+    meta = torch.empty(48, 32, device="meta")  # a weight off the CPU: not probed, judged by its kernel
+    chosen = prove_row_invariance([(PackedWeight(TRITON_INVARIANT), meta)])
+    assert chosen.proven and chosen.summary().startswith("on: triton_invariant")
+    plain = prove_row_invariance([(PackedWeight(PLAIN), meta)])
+    assert not plain.proven and "NOT proven" in plain.summary()
