@@ -33,7 +33,6 @@ exactly --max-tokens tokens on both sides (EOS is ignored), so the work is equal
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import time
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.bench.step_watch import GraphCheck, step_split
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.sampling_params import SamplingParams
@@ -63,70 +63,6 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-@contextmanager
-def step_split(engine: Engine, parts: dict[str, float]) -> Iterator[None]:
-    """Fill `parts` with the mean ms per step of the forward, sampling and host work, over every step that ran
-    the model and (prefixed `decode_`) over the decode-only ones.
-
-    The forward is the runner's execute less its input preparation, to the device's end (synchronized there);
-    sampling is the engine's collection of the step's tokens; host is the rest of the step (scheduling, input
-    preparation, bookkeeping). Instance attributes wrap the methods and are removed after."""
-    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
-    runner = engine.runner
-    step, execute, prepare, collect = engine.step, runner.execute, runner.prepare, engine._collect
-    fill_graph = runner.fill_graph  # a CUDA graph step's input preparation (pagoda/model/cuda_graphs.py)
-    current: collections.Counter = collections.Counter()  # this step's parts, in seconds
-    totals: collections.Counter = collections.Counter()
-
-    def timed(part, fn, end=lambda: None):
-        def run(*args):
-            start = time.perf_counter()
-            try:
-                out = fn(*args)
-                end()
-                return out
-            finally:
-                current[part] += time.perf_counter() - start
-        return run
-
-    def timed_step():
-        current.clear()
-        start = time.perf_counter()
-        try:
-            return step()
-        finally:
-            wall = time.perf_counter() - start
-            if current["execute"]:  # a step that ran the model
-                forward = current["execute"] - current["prepare"]
-                for prefix in ("", "decode_") if current["decode_only"] else ("",):
-                    totals[prefix + "steps"] += 1
-                    totals[prefix + "forward"] += forward
-                    totals[prefix + "sampling"] += current["sampling"]
-                    totals[prefix + "host"] += wall - forward - current["sampling"]
-                    totals[prefix + "wall"] += wall
-
-    def execute_batch(batch):
-        current["decode_only"] = all(c.num_tokens == 1 for c in batch.chunks)
-        return execute(batch)
-
-    runner.prepare = timed("prepare", prepare)
-    runner.fill_graph = timed("prepare", fill_graph)
-    runner.execute = timed("execute", execute_batch, sync)
-    engine._collect = timed("sampling", collect)
-    engine.step = timed_step
-    try:
-        yield
-    finally:
-        for owner, attr in ((runner, "prepare"), (runner, "fill_graph"), (runner, "execute"), (engine, "_collect"),
-                            (engine, "step")):
-            delattr(owner, attr)  # the instance attribute goes; the class's method is back
-        for prefix in ("", "decode_"):
-            if n := totals[prefix + "steps"]:
-                parts[prefix + "steps"] = n
-                for part in ("forward", "sampling", "host", "wall"):
-                    parts[f"{prefix}{part}_ms"] = 1e3 * totals[prefix + part] / n
 
 
 def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed: int, first_id: int = 17) -> list[list[int]]:
@@ -164,46 +100,6 @@ def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: st
             if check is not None:
                 check.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return Result(name, generated, time.perf_counter() - start, parts)
-
-
-class GraphCheck:
-    """One engine run's tokens and every step's sampled logits rows (kept on the device, a copy per step: the same
-    small cost with and without CUDA graphs), to compare two runs bitwise after both."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self.logits: list[torch.Tensor] = []  # per step that sampled: float32 [rows, V]
-
-    def watch(self, engine: Engine) -> None:
-        """Keep the logits of each step the runner runs from now on (an instance attribute wraps its run)."""
-        runner = engine.runner
-        run = runner.run
-
-        def run_and_keep(plan):
-            logits = run(plan)
-            if logits is not None:
-                self.logits.append(logits.clone())
-            return logits
-
-        runner.run = run_and_keep
-
-    def compare(self, other: GraphCheck) -> dict:
-        """Tokens equal, and how many logits rows are bitwise equal, step by step."""
-        rows = rows_equal = 0
-        max_diff = 0.0
-        steps_equal = len(self.logits) == len(other.logits)
-        for mine, theirs in zip(self.logits, other.logits):
-            if mine.shape != theirs.shape:
-                steps_equal = False
-                continue
-            rows += mine.shape[0]
-            rows_equal += int((mine == theirs).all(dim=1).sum())
-            if mine.numel():
-                max_diff = max(max_diff, float((mine - theirs).abs().max()))
-        tokens_equal = self.tokens == other.tokens
-        return {"tokens_equal": tokens_equal, "logits_rows_equal": rows_equal, "logits_rows": rows,
-                "steps_equal": steps_equal, "max_abs_logit_difference": max_diff,
-                "ok": tokens_equal and steps_equal and rows_equal == rows}
 
 
 def single_stream_decode(model, prompt: list[int], max_tokens: int, name: str, backend=None, ranks=None,
@@ -295,12 +191,7 @@ def invariant_kernels(device: torch.device, dtype: torch.dtype):
 
     if device.type != "cuda":
         return None, None
-    kernel = getattr(matmul, "TRITON_INVARIANT", None)
-    if kernel is None:  # the engine's own selection does not know the Triton matmul yet: the same kernel here
-        from pagoda.kernels import triton_matmul
-
-        kernel = matmul.MatmulKernel("triton_invariant", 1, triton_matmul.linear)
-    return kernel, select_backend(device, batch_invariant=True)
+    return matmul.TRITON_INVARIANT, select_backend(device, batch_invariant=True)
 
 
 def default_backend(device: torch.device):

@@ -27,6 +27,7 @@ No torch at import time: this module must load before torch does.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -114,11 +115,7 @@ def cpu_facts(cpuinfo: str | None = None) -> CpuFacts:
     import platform
 
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _proc_cpuinfo()
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
@@ -127,3 +124,13 @@ def cpu_facts(cpuinfo: str | None = None) -> CpuFacts:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return CpuFacts(model=fields.get("model name") or platform.processor() or platform.machine(),
                     flags=frozenset(fields.get("flags", "").split()), cores=cores)
+
+
+@functools.cache
+def _proc_cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once a process ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

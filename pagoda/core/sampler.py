@@ -51,8 +51,9 @@ class StepLogits:
         self._rows, self._index = logits, None  # CPU: every row as it is
         if logits.device.type == "cpu" or not requests:
             return
-        plain = [i for i, request in enumerate(requests) if _plain_greedy(request)]
-        others = [i for i, request in enumerate(requests) if not _plain_greedy(request)]
+        plain, others = [], []
+        for i, request in enumerate(requests):
+            (plain if _plain_greedy(request) else others).append(i)
         if plain:  # one argmax and one copy for every plain greedy row [len(plain)]
             ids = (logits if not others else logits[plain]).argmax(dim=-1)
             for i, token_id in zip(plain, ids.tolist()):

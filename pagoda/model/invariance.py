@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from pagoda.core.machine import ONEDNN_ISA_ENV, cpu_facts
+from pagoda.model.hub import pagoda_home
 from pagoda.model.matmul import MatmulKernel, PackedWeight
 
 logger = logging.getLogger("pagoda.model")
@@ -118,10 +119,8 @@ class InvarianceReport:
 
 
 def _cache_path(key: dict[str, object]) -> Path:
-    env = os.environ.get("PAGODA_HOME")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return root / "invariance" / f"{digest}.json"
+    return pagoda_home() / "invariance" / f"{digest}.json"
 
 
 def _machine_key() -> dict[str, object]:
