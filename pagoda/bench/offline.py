@@ -72,11 +72,13 @@ def make_prompts(vocab_size: int, lengths: Sequence[int], num_prompts: int, seed
 
 
 def bench_config(num_prompts: int, max_len: int, *, block_size: int = EngineConfig.block_size,
-                 max_batched_tokens: int = 2048, cuda_graphs: bool = False) -> EngineConfig:
+                 max_batched_tokens: int = 2048, cuda_graphs: bool = False,
+                 cpu_graphs: bool = EngineConfig.cpu_graphs) -> EngineConfig:
     """A pool that holds every prompt at full length (no preemption in a benchmark)."""
     num_blocks = num_prompts * -(-max_len // block_size) + 1
     return EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max(num_prompts, 1),
-                        max_batched_tokens=max_batched_tokens, max_model_len=max_len, cuda_graphs=cuda_graphs)
+                        max_batched_tokens=max_batched_tokens, max_model_len=max_len, cuda_graphs=cuda_graphs,
+                        cpu_graphs=cpu_graphs)
 
 
 def engine_throughput(model, prompts: list[list[int]], max_tokens: int, name: str, backend=None, ranks=None,
@@ -215,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"))
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "gguf", "w8a8", "auto"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--compare-invariance", action="store_true",
@@ -249,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         quantization = "none" if matmul else args.quantization
         if args.model in NAMED_CONFIGS:
             config = named_config(args.model)
-            quantized = quantized_matmul(quantization, device)  # int8/int4 layers in a float32 model
+            # int layers in a float32 model (random weights: no GGUF blocks, so auto is none)
+            quantized = quantized_matmul("none" if quantization == "auto" else quantization, device)
             model = build_model(config, dtype=torch.float32 if quantized else dtype, device=device,
                                 max_positions=max_len, matmul=matmul or quantized)
             model.init_random_weights(seed=args.seed)

@@ -1,6 +1,6 @@
 """`pagoda bench roofline`: this machine's bounds, and how close the engine's decode step comes to them.
 
-    pagoda bench roofline [--formats float32,bfloat16,int8,int4] [--rows 1,4,16,64,256] [--steps N] [--json FILE]
+    pagoda bench roofline [--formats gguf,gguf-eager,float32,bfloat16,int8,int4] [--rows 1,4,16,64,256] [--steps N] [--json FILE]
 
 machine  the copy bandwidth (read + write of a 256 MiB torch copy), the read bandwidth (a sum over 256 MiB
          of touched pages), and the GEMM rate of each format's own kernel at the default model's shapes
@@ -27,7 +27,7 @@ import torch
 
 from pagoda.bench.kernels import measure_copy_bandwidth, time_call
 from pagoda.bench.offline import bench_config, make_prompts
-from pagoda.bench.weight_formats import FORMATS, load
+from pagoda.bench.weight_formats import FORMATS, graphs, known, load
 from pagoda.core.machine import STATE, cpu_facts
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.model.factory import make_engine
@@ -97,9 +97,10 @@ def kv_bytes(model, rows: int, context: int) -> int:
     return rows * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4  # float32 cache
 
 
-def decode_step(model, rows: int, steps: int) -> float:
+def decode_step(model, rows: int, steps: int, cpu_graphs: bool = True) -> float:
     """Median seconds of a decode step of `rows` requests (32-token prompts, no drafts)."""
-    engine = make_engine(model, dataclasses.replace(bench_config(rows, CONTEXT + steps + 8), speculative=None))
+    config = bench_config(rows, CONTEXT + steps + 8, cpu_graphs=cpu_graphs)
+    engine = make_engine(model, dataclasses.replace(config, speculative=None))
     params = SamplingParams(max_tokens=steps + 6, temperature=0, ignore_eos=True)
     for i, ids in enumerate(make_prompts(model.config.vocab_size, [CONTEXT], rows, 0)):
         engine.add_request(str(i), ids, params)
@@ -115,14 +116,15 @@ def decode_step(model, rows: int, steps: int) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pagoda bench roofline", description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default="float32,bfloat16,int8,int4", help=f"of: {', '.join(FORMATS)}")
+    ap.add_argument("--formats", default="gguf,gguf-eager,float32,bfloat16,int8,int4",
+                    help=f"of: {', '.join(FORMATS)} (each also as NAME-eager: no CPU step graphs)")
     ap.add_argument("--rows", default="1,4,16,64,256", help="decode rows per step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per row count")
     ap.add_argument("--model", default="default", help="'default' (the embedded model) or its Hugging Face directory")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to this file")
     args = ap.parse_args(argv)
     names, rows = args.formats.split(","), [int(r) for r in args.rows.split(",")]
-    unknown = [n for n in names if n not in FORMATS]
+    unknown = [n for n in names if not known(n)]
     if unknown:
         ap.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
     model_dir = resolve_model(args.model, progress=False)
@@ -136,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f" read {read_bw / 1e9:.1f} GB/s", flush=True)
     for name in names:
         model, _ = load(model_dir, name)
-        make_engine(model, bench_config(1, 64))  # packs the weights as the runner does
+        make_engine(model, bench_config(1, 64, cpu_graphs=False))  # packs the weights as the runner does
         rate, params, wbytes = gemm_rate(model), matmul_params(model), model.matmul_bytes()
         shapes = [(k, n) for _, _, k, n in model_linears(model)]
         entry = {"weights": weight_format(model), "matmul_bytes": wbytes, "gemm_flops_per_s": rate, "steps": []}
@@ -149,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f" at {GEMM_ROWS} rows\n\n| rows | step ms | weights+KV / read bw ms | FLOPs / GEMM ms | bound ms |"
               " fraction of the bound | tok/s |\n|---:|---:|---:|---:|---:|---:|---:|", flush=True)
         for n in rows:
-            step = decode_step(model, n, args.steps)
+            step = decode_step(model, n, args.steps, graphs(name))
             memory = (wbytes + kv_bytes(model, n, CONTEXT + args.steps)) / read_bw
             compute = 2 * params * n / rate
             bound = max(memory, compute)

@@ -3,9 +3,10 @@
     pagoda bench weight-formats [--rows 1,16,64] [--steps N] [--formats float32,bfloat16,...]
     pagoda bench weight-formats --rss FORMAT   (resident memory of one format, in a fresh process)
 
-Formats: the keys of FORMATS. Every engine decodes the same 32-token prompts at each row count, with no
-n-gram drafts (a step's cost, the same work in every format); prints the median step and the speed-up
-over the first format, and the resident memory each format took to load and pack.
+Formats: the keys of FORMATS, each also as NAME-eager (the same weights with CPU step graphs off: every step
+eager). Every engine decodes the same 32-token prompts at each row count, with no n-gram drafts (a step's
+cost, the same work in every format); prints the median step and the speed-up over the first format, and the
+resident memory each format took to load and pack.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pagoda.model.hub import resolve_model
 from pagoda.model.loader import load_model, weight_format
 
 FORMATS = {  # name: (dtype, quantization, LM head format; None = the loader's default[, the layers' kernel])
+    "gguf": ("float32", "gguf", None),  # the default for the default model: its own Q4_1 layers and Q8_0 head
+    "w8a8": ("float32", "w8a8", None),
     "float32": ("float32", "none", None),
     "bfloat16": ("bfloat16", "none", None),
     "int8": ("float32", "int8", "int8"),
@@ -37,8 +40,20 @@ FORMATS = {  # name: (dtype, quantization, LM head format; None = the loader's d
 }
 
 
+EAGER = "-eager"  # a format's name with this suffix: its steps all eager (no CPU step graphs)
+
+
+def known(name: str) -> bool:
+    return name.removesuffix(EAGER) in FORMATS
+
+
+def graphs(name: str) -> bool:
+    """Whether a format's engine records its decode steps (CPU step graphs)."""
+    return not name.endswith(EAGER)
+
+
 def load(model_dir, name: str):
-    dtype, quantization, head, *kernel = FORMATS[name]
+    dtype, quantization, head, *kernel = FORMATS[name.removesuffix(EAGER)]
     return load_model(model_dir, dtype=dtype, device="cpu", max_positions=256, quantization=quantization,
                       lm_head=head, matmul=kernel[0] if kernel else None)
 
@@ -66,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rss(model_dir, args.rss)
         return 0
     names = args.formats.split(",")
-    unknown = [n for n in names if n not in FORMATS]
+    unknown = [n for n in names if not known(n)]
     if unknown:
         ap.error(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}")
     base = resident_bytes()
@@ -74,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         before = resident_bytes()
         models[name], cfg = load(model_dir, name)
-        make_engine(models[name], bench_config(1, 64))  # packs (and frees the plain weights) once
+        make_engine(models[name], bench_config(1, 64, cpu_graphs=False))  # packs (and frees the plain weights) once
         gc.collect()
         print(f"{name}: {weight_format(models[name])}, matmul weights {models[name].matmul_bytes() / 1e6:.0f} MB, "
               f"RSS {(resident_bytes() - before) / 1e6:+.0f} MB loaded and packed", flush=True)
@@ -83,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines = {}
         for name, model in models.items():
             # no n-gram drafts: a step's cost, the same work in every format
-            e = make_engine(model, dataclasses.replace(bench_config(n, 32 + 2 * args.steps + 8), speculative=None))
+            config = bench_config(n, 32 + 2 * args.steps + 8, cpu_graphs=graphs(name))
+            e = make_engine(model, dataclasses.replace(config, speculative=None))
             params = SamplingParams(max_tokens=2 * args.steps + 6, temperature=0, ignore_eos=True)
             for i, ids in enumerate(prompts):
                 e.add_request(str(i), ids, params)

@@ -23,9 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"),
-                   help="weight format of the linear layers: int8/int4 are weight-only on the CPU (docs/models.md); "
-                        "auto is none")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "w8a8", "int8", "int4"),
+                   help="weight format of the linear layers on the CPU (docs/models.md): auto (the default) runs a "
+                        "GGUF's own blocks (gguf) and a float checkpoint as it is (none); w8a8 rounds every weight to "
+                        "Q8_0 blocks; int8/int4 are weight-only")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not look the prompt up in the prefix cache")

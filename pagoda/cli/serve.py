@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = let the system pick a free port (printed)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "auto"),
-                   help="weight format of the linear layers: int8/int4 are weight-only on the CPU (docs/models.md); "
-                        "auto is none")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "w8a8", "int8", "int4"),
+                   help="weight format of the linear layers on the CPU (docs/models.md): auto (the default) runs a "
+                        "GGUF's own blocks (gguf) and a float checkpoint as it is (none); w8a8 rounds every weight to "
+                        "Q8_0 blocks; int8/int4 are weight-only")
     p.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV cache block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (default: sized from free memory)")
     p.add_argument("--max-running", type=int, default=EngineConfig.max_running, help="requests in one step")
@@ -55,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="decode-only steps of up to 64 sequences replay CUDA graphs captured at start-up (CUDA only; "
                         "elsewhere it says why not and runs as without)")
+    p.add_argument("--no-cpu-graphs", dest="cpu_graphs", action="store_false",
+                   help="run every CPU step eagerly (default: decode-only steps replay a recorded step in one native "
+                        "call where every kernel of the step is pagoda's own, as with the default GGUF format)")
     p.add_argument("--api-key", default=None, help=f"the key generation and model routes require (or ${API_KEY_ENV})")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants: their keys' SHA-256, weights, priorities and limits (.json or .toml; "
@@ -120,7 +124,7 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
                          speculative=args.speculative, scheduling_policy=args.scheduling_policy,
                          scheduling_policies=scheduling_policies, batch_invariant=args.batch_invariant,
-                         cuda_graphs=args.cuda_graphs, **parallel_fields(args))
+                         cuda_graphs=args.cuda_graphs, cpu_graphs=args.cpu_graphs, **parallel_fields(args))
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -199,8 +203,9 @@ def _serve(args: argparse.Namespace, engine, tokenizer, model_dir: Path, plugins
     # stderr, with the log: stdout's first line stays the URL (the contract), which scripts read
     print(f"pagoda serve: speculative decoding {engine.speculation.reason}", file=sys.stderr, flush=True)
     print(f"pagoda serve: batch invariance {engine.runner.invariance.summary()}", file=sys.stderr, flush=True)
-    if args.cuda_graphs:
-        print(f"pagoda serve: CUDA graphs {getattr(engine.runner, 'graphs_summary', 'off: not this runner')}",
+    if args.cuda_graphs or getattr(getattr(engine.runner, "device", None), "type", None) == "cpu":
+        kind = "CUDA graphs" if args.cuda_graphs else "CPU step graphs"
+        print(f"pagoda serve: {kind} {getattr(engine.runner, 'graphs_summary', 'off: not this runner')}",
               file=sys.stderr, flush=True)
 
     def ready(url: str) -> None:

@@ -74,13 +74,16 @@ class EngineConfig:
     # decode-only steps replay CUDA graphs captured at start-up (pagoda/model/cuda_graphs.py); CUDA only: elsewhere
     # the runner says why not and runs every step eagerly
     cuda_graphs: bool = False
+    # decode-only steps on a CPU replay a recorded step in one native call (pagoda/model/cpu_graphs.py), where
+    # every kernel of the step is pagoda's own (the int8 and GGUF-block formats); elsewhere they run eagerly
+    cpu_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "batch_invariant", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "batch_invariant", "cuda_graphs", "cpu_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)

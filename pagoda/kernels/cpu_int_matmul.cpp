@@ -15,12 +15,12 @@
 #include <immintrin.h>
 
 #include "cpu_simd.h"
+#include "cpu_step.h"
 
 #include <algorithm>
 
 namespace {
 
-constexpr int64_t kBlock = 16;  // output channels a thread takes at a time
 constexpr int64_t kAhead = 2;  // tiles ahead to prefetch
 
 using pagoda_simd::hsum;
@@ -50,27 +50,21 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* q, int64_t K, const fl
     for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) * scale[c];
 }
 
-// Runs tile(r0, R, n0, C) over [M, N]: threads split the channels in blocks of kBlock; inside a block,
-// rows go four at a time (C4 channels a tile), the remainder rows one at a time (four channels).
+// Runs tile(r, n) over rows [0, M) and channels [n0, n1): rows four at a time (C4 channels a tile), the
+// remainder rows one at a time (four channels).
 template <int C4, typename Tile4xC, typename Tile4x1, typename Tile1x4, typename Tile1x1>
-void run_tiles(int64_t M, int64_t N, Tile4xC t4c, Tile4x1 t41, Tile1x4 t14, Tile1x1 t11) {
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n_begin = b * kBlock, n_end = std::min(N, n_begin + kBlock);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) {
-        int64_t n = n_begin;
-        for (; n + C4 <= n_end; n += C4) t4c(r, n);
-        for (; n < n_end; ++n) t41(r, n);
-      }
-      for (; r < M; ++r) {
-        int64_t n = n_begin;
-        for (; n + 4 <= n_end; n += 4) t14(r, n);
-        for (; n < n_end; ++n) t11(r, n);
-      }
-    }
-  });
+void run_tiles(int64_t M, int64_t n_begin, int64_t n_end, Tile4xC t4c, Tile4x1 t41, Tile1x4 t14, Tile1x1 t11) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) {
+    int64_t n = n_begin;
+    for (; n + C4 <= n_end; n += C4) t4c(r, n);
+    for (; n < n_end; ++n) t41(r, n);
+  }
+  for (; r < M; ++r) {
+    int64_t n = n_begin;
+    for (; n + 4 <= n_end; n += 4) t14(r, n);
+    for (; n < n_end; ++n) t11(r, n);
+  }
 }
 
 void check_x(const at::Tensor& x, int64_t K, int64_t multiple) {
@@ -87,23 +81,39 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   check_x(x, K, 8);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), blocks = (N + pagoda_step::kInt8Columns - 1) / pagoda_step::kInt8Columns;
+  // threads split the channels in blocks
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    pagoda_step::int8_columns(xp, ldx, M, qp, K, sp, op, N, b0 * pagoda_step::kInt8Columns,
+                              std::min(N, b1 * pagoda_step::kInt8Columns));
+  });
+  return out;
+}
+
+}  // namespace
+
+namespace pagoda_step {
+
+void int8_columns(const float* x, int64_t ldx, int64_t M, const int8_t* q, int64_t K, const float* scale, float* out,
+                  int64_t ldo, int64_t n0, int64_t n1) {
   auto tile = [&](auto R, auto C) {
     return [&, R, C](int64_t r, int64_t n) {
-      int8_tile<decltype(R)::value, decltype(C)::value>(xp + r * ldx, ldx, qp + n * K, K, sp + n, op + r * N + n, N);
+      int8_tile<decltype(R)::value, decltype(C)::value>(x + r * ldx, ldx, q + n * K, K, scale + n, out + r * ldo + n,
+                                                        ldo);
     };
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
   using I4 = std::integral_constant<int, 4>;
-  run_tiles<2>(M, N, tile(I4{}, I2{}), tile(I4{}, I1{}), tile(I1{}, I4{}), tile(I1{}, I1{}));
-  return out;
+  for (int64_t b = n0; b < n1; b += kInt8Columns)  // a block at a time: the 4-row tiles reuse its weights from cache
+    run_tiles<2>(M, b, std::min(n1, b + kInt8Columns), tile(I4{}, I2{}), tile(I4{}, I1{}), tile(I1{}, I4{}),
+                 tile(I1{}, I1{}));
 }
 
-}  // namespace
+}  // namespace pagoda_step
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor", &int8_linear);

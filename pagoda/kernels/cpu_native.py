@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_int_matmul.cpp", "cpu_paged_attention.cpp", "cpu_rms_norm.cpp")]
-HEADER = Path(__file__).with_name("cpu_simd.h")
+_HERE = Path(__file__).parent
+SOURCES = sorted(_HERE.glob("cpu_*.cpp"))  # every C++ kernel of this folder, built into one library
+HEADERS = sorted(_HERE.glob("cpu_*.h"))
 _LIBRARY = "pagoda_cpu"
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-std=c++17"]  # no contraction: fma only where written
 
@@ -45,7 +46,7 @@ def cache_dir() -> Path:
     env = os.environ.get("PAGODA_HOME")
     root = Path(env).expanduser() if env else Path.home() / ".cache" / "pagoda"
     digest = hashlib.sha256(torch.__version__.encode() + " ".join(_FLAGS).encode())
-    for source in (*SOURCES, HEADER):
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return root / "kernels" / f"cpu-{digest.hexdigest()[:16]}"
 
@@ -103,6 +104,23 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return torch.ops.pagoda_cpu.int8_linear(x.contiguous(), q, scale)
 
 
+def block_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor, fmt: int, n: int) -> Tensor:
+    """x [T, K] float32 @ a packed Q4_0 (fmt 0) / Q4_1 (1) / Q8_0 (2) weight [n, K] -> [T, n] float32, the
+    activations quantized to int8 per block of 32 (layout and arithmetic: cpu_quant.h)."""
+    return torch.ops.pagoda_cpu.block_linear(x.contiguous(), qs, d, m, fmt, n)
+
+
+def quant_isa(name: str = "") -> str:
+    """Make ISA variant `name` ("portable", "avx2", "avx_vnni", "avx512_vnni", "best") run the block products;
+    returns the one before. "" only reads it."""
+    return torch.ops.pagoda_cpu.quant_isa(name)
+
+
+def quant_isas() -> list[str]:
+    """The block products' ISA variants this CPU runs, best last."""
+    return list(torch.ops.pagoda_cpu.quant_isas())
+
+
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
                     seq_lens: Tensor, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> Tensor:
     """q [T, H, D] float32 -> out [T, H, D]: each new token attends causally to its paged context (its last
@@ -124,3 +142,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """x [T, heads, D] float32 (unit stride along D) -> rotate-half RoPE, the same bits as llama.apply_rope's."""
     return torch.ops.pagoda_cpu.rope(x, cos.contiguous(), sin_signed.contiguous())
+
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # act_mul's kinds (cpu_step.h)
+
+
+def act_mul(gate_up: Tensor, activation: str) -> Tensor:
+    """gate_up [T, 2I] float32 -> act(gate) * up [T, I], act one of ACTIVATIONS (cpu_activation.cpp)."""
+    return torch.ops.pagoda_cpu.act_mul(gate_up, ACTIVATIONS[activation])
+
+
+def graph_run(code: Tensor, params: Tensor, threads: int) -> None:
+    """Replay a recorded step (pagoda/model/cpu_graphs.py) in one parallel region of `threads`, the GIL released."""
+    torch.ops.pagoda_cpu.graph_run(code, params, threads)

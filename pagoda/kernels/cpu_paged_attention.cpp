@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "cpu_simd.h"
+#include "cpu_step.h"
 
 #include <cmath>
 #include <cstring>
@@ -30,29 +31,8 @@
 
 namespace {
 
+using pagoda_simd::exp_nonpositive;
 using pagoda_simd::hsum;
-
-// exp(x) for x <= 0 (scores minus their max), to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
-// polynomial for exp(r), times 2^n. Below -87.3 (exp underflows float32) the result is exactly 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.3f);
-  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lowest);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, ln2 in two parts (Cody-Waite) so that r is exact
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
-}
 
 constexpr int kMaxVectors = 32;  // head_dim up to 256
 
@@ -75,9 +55,7 @@ constexpr int64_t kTileTokens = 4;  // consecutive tokens of one sequence that s
 constexpr int64_t kValueChunk = 64;  // keys whose values stay in L1 while every row of a tile folds them in
 
 // A tile: tokens t0..t0+n-1 of one sequence (positions pos0..pos0+n-1), one kv head, all its query heads.
-struct Tile {
-  int64_t seq, t0, n, pos0, kv_head;
-};
+using Tile = pagoda_step::AttentionTile;
 
 struct Scratch {
   std::vector<const float*> keys, values;  // the context's rows for the kv head, padded to 8 with `zeros`
@@ -191,35 +169,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "head_dim must be a multiple of 8, at most 256, and the same in q and the cache");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "sliding_window and softcap must be >= 0 (0: none)");
-  const int64_t num_seqs = seq_lens.numel(), tokens = q.size(0), group = s.heads / s.kv_heads;
+  const int64_t num_seqs = seq_lens.numel(), tokens = q.size(0);
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(starts[num_seqs] == tokens, "query_start_loc must end at the number of tokens");
-  std::vector<Tile> tiles;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t qlen = starts[b + 1] - starts[b], first = lens[b] - qlen;
     TORCH_CHECK(qlen >= 0 && first >= 0 && (lens[b] + s.block_size - 1) / s.block_size <= s.table_width,
                 "sequence ", b, ": its lengths and block table disagree");
-    for (int64_t i = 0; i < qlen; i += kTileTokens)
-      for (int64_t g = 0; g < s.kv_heads; ++g)
-        tiles.push_back({b, starts[b] + i, std::min(kTileTokens, qlen - i), first + i, g});
   }
   at::Tensor out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = block_tables.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  // tiles taken alternately from both ends (a prefill's short contexts, then its long ones), so that the
-  // contiguous ranges the threads take carry about the same work
-  const int64_t count = static_cast<int64_t>(tiles.size());
-  at::parallel_for(0, count, 1, [&](int64_t i0, int64_t i1) {
-    Scratch scratch;
-    for (int64_t i = i0; i < i1; ++i) {
-      const Tile& tile = tiles[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
-      attend(qp, kp, vp, tp + tile.seq * s.table_width, tile, group, sc, sliding_window, cap, s, scratch, op);
-    }
+  const pagoda_step::AttentionArgs args{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                        block_tables.data_ptr<int32_t>(), starts, lens, num_seqs, s.heads,
+                                        s.kv_heads, s.dim, s.block_size, s.table_width, static_cast<float>(scale),
+                                        sliding_window, static_cast<float>(softcap), out.data_ptr<float>()};
+  const std::vector<Tile> tiles = pagoda_step::attention_tiles(args);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+    pagoda_step::attend_tiles(args, tiles, i0, i1);
   });
   return out;
 }
@@ -237,18 +203,51 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0), "slot_mapping must be [T] int64");
   const int64_t heads = k.size(1), dim = k.size(2), slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t t = 0; t < k.size(0); ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the cache");
-    for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (sp[t] * heads + h) * dim, k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), dim * 4);
-      std::memcpy(vc + (sp[t] * heads + h) * dim, v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), dim * 4);
-    }
-  }
+  for (int64_t t = 0; t < k.size(0); ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot ", sp[t], " is outside the cache");
+  pagoda_step::write_kv_tokens(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), heads, dim, k.data_ptr<float>(),
+                               k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), sp, 0,
+                               k.size(0));
 }
 
 }  // namespace
+
+namespace pagoda_step {
+
+std::vector<AttentionTile> attention_tiles(const AttentionArgs& a) {
+  std::vector<AttentionTile> tiles;
+  for (int64_t b = 0; b < a.num_seqs; ++b) {
+    const int64_t qlen = a.starts[b + 1] - a.starts[b], first = a.lens[b] - qlen;
+    for (int64_t i = 0; i < qlen; i += kTileTokens)
+      for (int64_t g = 0; g < a.kv_heads; ++g)
+        tiles.push_back({b, a.starts[b] + i, std::min(kTileTokens, qlen - i), first + i, g});
+  }
+  return tiles;
+}
+
+// Tiles [i0, i1) of the order that takes them alternately from both ends (a prefill's short contexts, then
+// its long ones), so that contiguous shares carry about the same work.
+void attend_tiles(const AttentionArgs& a, const std::vector<AttentionTile>& tiles, int64_t i0, int64_t i1) {
+  const Shapes s{a.heads, a.kv_heads, a.dim, a.block_size, a.table_width, a.block_size * a.kv_heads * a.dim,
+                 a.kv_heads * a.dim};
+  const int64_t count = static_cast<int64_t>(tiles.size()), group = a.heads / a.kv_heads;
+  Scratch scratch;
+  for (int64_t i = i0; i < i1; ++i) {
+    const Tile& tile = tiles[i % 2 == 0 ? i / 2 : count - 1 - i / 2];
+    attend(a.q, a.k_cache, a.v_cache, a.tables + tile.seq * a.table_width, tile, group, a.scale, a.window, a.softcap,
+           s, scratch, a.out);
+  }
+}
+
+void write_kv_tokens(float* kc, float* vc, int64_t heads, int64_t dim, const float* k, int64_t ks0, int64_t ks1,
+                     const float* v, int64_t vs0, int64_t vs1, const int64_t* slots, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + (slots[t] * heads + h) * dim, k + t * ks0 + h * ks1, dim * 4);
+      std::memcpy(vc + (slots[t] * heads + h) * dim, v + t * vs0 + h * vs1, dim * 4);
+    }
+}
+
+}  // namespace pagoda_step
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()", &write_kv);

@@ -55,7 +55,7 @@ class EngineOptions:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
-    quantization: str = "none"  # --quantization none|int8|int4|auto: the linear layers' weight format
+    quantization: str = "auto"  # --quantization: the linear layers' weight format (auto: a GGUF's own blocks on a CPU)
     block_size: int = EngineConfig.block_size
     num_blocks: int | None = None
     max_running: int = EngineConfig.max_running
@@ -78,6 +78,7 @@ class EngineOptions:
     # --batch-invariant / --no-batch-invariant; None: on for the CPU, off for CUDA (its invariant kernels cost time)
     batch_invariant: bool | None = None
     cuda_graphs: bool = EngineConfig.cuda_graphs  # --cuda-graphs: decode-only steps replay CUDA graphs (CUDA only)
+    cpu_graphs: bool = EngineConfig.cpu_graphs  # --no-cpu-graphs: every CPU step eagerly (pagoda/model/cpu_graphs.py)
 
     def invariant_on(self, device: torch.device) -> bool:
         """Whether answers must not depend on the batch, on this device."""
@@ -117,8 +118,10 @@ def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tupl
     engine = Engine(runner, config, eos_token_ids=eos_token_ids, tokenizer=tokenizer, policies=policies)
     logger.info("speculative decoding %s", engine.speculation.reason)
     logger.info("batch invariance %s", runner.invariance.summary())
-    if config.cuda_graphs:  # asked for: say whether they run, and why not
-        (logger.info if runner.graphs is not None else logger.warning)("CUDA graphs %s", runner.graphs_summary)
+    if config.cuda_graphs or runner.device.type == "cpu":  # asked for: say whether they run, and why not
+        kind = "CPU step graphs" if runner.device.type == "cpu" else "CUDA graphs"
+        (logger.info if runner.graphs is not None or not config.cuda_graphs else logger.warning)(
+            "%s %s", kind, runner.graphs_summary)
     return engine
 
 
@@ -133,7 +136,8 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
                         max_batched_tokens=options.max_batched_tokens, max_model_len=max_model_len,
                         enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
                         speculative=options.speculative, scheduling_policy=options.scheduling_policy,
-                        batch_invariant=options.invariant_on(device), cuda_graphs=options.cuda_graphs)
+                        batch_invariant=options.invariant_on(device), cuda_graphs=options.cuda_graphs,
+                        cpu_graphs=options.cpu_graphs)
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:

@@ -12,9 +12,11 @@ between the two formats for the same weights:
 - The architecture's layout may reorder rows (llama: attn_q / attn_k back from
   llama.cpp's adjacent-pairs RoPE order) or fix a weight up.
 - Weights are stored in one of `SUPPORTED_TYPES` (F16, Q8_0, Q4_K, ...); every tensor is
-  dequantized to float32 by the gguf library. The Q4_0 and Q4_1 tensors' own blocks are also
-  kept, rows in torch order, in `q4_0_blocks.safetensors` / `q4_1_blocks.safetensors`, so
-  `--quantization int4` packs the file's 4-bit weights as they are instead of rounding them again.
+  dequantized to float32 by the gguf library. The Q4_0, Q4_1 and Q8_0 tensors' own blocks are also
+  kept, rows in torch order, in `q4_0_blocks.safetensors` / `q4_1_blocks.safetensors` /
+  `q8_0_blocks.safetensors`, so the file's own format (`--quantization gguf`, the default for a GGUF on a
+  CPU) multiplies the file's blocks as they are, and `--quantization int4` packs its 4-bit weights without
+  rounding them again.
   A tensor of any other type is refused by name before anything is written.
 
 The output is written to a temporary sibling directory and renamed into place,
@@ -40,11 +42,13 @@ from pagoda.model.gguf_layout import GgufLayout
 from pagoda.model.gguf_vocab import build_tokenizer_files
 
 # Bump when the written directory changes, so older cached imports are redone.
-IMPORT_FORMAT_VERSION = 3  # 2: q4_1_blocks.safetensors; 3: layouts, every common type, q4_0 blocks, shards
+IMPORT_FORMAT_VERSION = 4  # 2: q4_1_blocks.safetensors; 3: layouts, every common type, q4_0 blocks, shards; 4: q8_0
 IMPORT_MARKER = "pagoda_import.json"
 Q4_1_BLOCKS_FILE = "q4_1_blocks.safetensors"  # HF name -> uint8 [out, in/32, 20] (float16 d, float16 m, 16 bytes of q)
 Q4_0_BLOCKS_FILE = "q4_0_blocks.safetensors"  # HF name -> uint8 [out, in/32, 18] (float16 d, 16 bytes of q)
-BLOCK_FILES = {"Q4_1": Q4_1_BLOCKS_FILE, "Q4_0": Q4_0_BLOCKS_FILE}  # GGUF type -> where its blocks are kept
+Q8_0_BLOCKS_FILE = "q8_0_blocks.safetensors"  # HF name -> uint8 [out, in/32, 34] (float16 d, 32 int8 q)
+# GGUF type -> where its blocks are kept
+BLOCK_FILES = {"Q4_1": Q4_1_BLOCKS_FILE, "Q4_0": Q4_0_BLOCKS_FILE, "Q8_0": Q8_0_BLOCKS_FILE}
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")  # + the weight files the marker lists
 # The tensor types the importer dequantizes (all through gguf.quants.dequantize); any other is refused.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -56,8 +60,8 @@ class ImportedTensor(NamedTuple):
 
     name: str  # HF name
     weight: np.ndarray  # float32, torch layout
-    blocks: np.ndarray | None  # Q4_0/Q4_1 blocks [out, in/32, bytes] in torch row order, when kept
-    block_type: str | None  # "Q4_0" / "Q4_1" with blocks
+    blocks: np.ndarray | None  # Q4_0/Q4_1/Q8_0 blocks [out, in/32, bytes] in torch row order, when kept
+    block_type: str | None  # "Q4_0" / "Q4_1" / "Q8_0" with blocks
 
 
 def read_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -94,7 +98,7 @@ def check_tensor_types(tensors: Any) -> None:
 
 
 def convert_tensor(tensor: Any, layout: GgufLayout, config: Mapping[str, Any]) -> ImportedTensor:
-    """One GGUF tensor dequantized to float32 in torch layout, under its HF name (and its 4-bit blocks)."""
+    """One GGUF tensor dequantized to float32 in torch layout, under its HF name (and its blocks)."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 

@@ -12,7 +12,7 @@ columns, through safetensors' slices): its own memory is its shard plus one tens
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,22 @@ import torch
 from safetensors import safe_open
 
 from pagoda.distributed.group import SOLO, TensorGroup
+from pagoda.kernels import cpu_native
 from pagoda.model.architectures import Architectures, builtin_architectures, read_config
 from pagoda.model.config import ModelConfig
 from pagoda.model.gguf_import import BLOCK_FILES
 from pagoda.model.llama import Transformer
-from pagoda.model.matmul import INT4, ONEDNN_BF16, Linear, PackedWeight, has_onednn_bf16, quantized_matmul, select_matmul
-from pagoda.model.quantize import int4_from_gguf_blocks
+from pagoda.model.matmul import (
+    BLOCKS,
+    INT4,
+    ONEDNN_BF16,
+    Linear,
+    PackedWeight,
+    has_onednn_bf16,
+    quantized_matmul,
+    select_matmul,
+)
+from pagoda.model.quantize import block_weight_from_gguf, int4_from_gguf_blocks
 from pagoda.model.shard import ShardPlan
 from pagoda.plugins.architecture import CheckpointNames
 
@@ -37,7 +47,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # int4 rounds the head (the tied embedding, Q8_0 in the GGUF) too coarsely: greedy agreement 0.85 against
 # 0.98 with a bfloat16 or int8 head; int8 is as good as bfloat16 and faster (docs/performance.md).
 LM_HEAD_FORMATS = ("float", "int8", "int4")  # float: onednn_bf16 where native, else the float32 kernel
-DEFAULT_LM_HEAD = {"int8": "int8", "int8_avx2": "int8", "int4": "int8"}  # by the layers' kernel
+DEFAULT_LM_HEAD = {"int8": "int8", "int8_avx2": "int8", "int4": "int8"}  # by the layers' kernel; blocks: the layers'
+
+
+def resolve_quantization(quantization: str, model_dir: Path, device: torch.device | str) -> str:
+    """`auto`: the GGUF's own blocks (`gguf`) for a model imported from a GGUF that kept some, on a CPU where
+    pagoda's C++ kernels run; `none` otherwise. Any other value as given."""
+    if quantization != "auto":
+        return quantization
+    gguf = any((Path(model_dir) / name).is_file() for name in BLOCK_FILES.values())
+    return "gguf" if gguf and torch.device(device).type == "cpu" and cpu_native.available() else "none"
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -147,8 +166,9 @@ def load_model(
 
     `max_positions` bounds the RoPE table (default: the config's context);
     `matmul` names a MatmulKernel (default: the batch-invariant one for the device, or the quantization's);
-    `quantization` int8/int4 is a weight format of the linear layers (the rest of the model is float32),
-    the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD);
+    `quantization` int8/int4/gguf/w8a8 is a weight format of the linear layers (the rest of the model is float32;
+    `auto`: see resolve_quantization), the LM head in `lm_head` (one of LM_HEAD_FORMATS; default: DEFAULT_LM_HEAD,
+    the layers' own for gguf and w8a8);
     `shard` and `group`: one tensor-parallel rank's part of the model, read alone (default: all of it);
     `architectures`: the registry whose plugin parses and builds the model (default: the built-in families).
     """
@@ -160,6 +180,7 @@ def load_model(
     arch = architectures.of(config)
     files = checkpoint_files(model_dir)
     device = resolve_device(device)
+    quantization = resolve_quantization(quantization, model_dir, device)
     kernel = quantized_matmul(quantization, device)
     if kernel is None:
         model = arch.build(config, dtype=resolve_dtype(dtype, device), device=device, max_positions=max_positions,
@@ -169,8 +190,8 @@ def load_model(
             kernel = select_matmul(device, name=matmul)
         model = arch.build(config, dtype=torch.float32, device=device, max_positions=max_positions, matmul=kernel,
                            shard=shard, group=group)
-        head = lm_head or DEFAULT_LM_HEAD[kernel.name]
-        if head not in LM_HEAD_FORMATS:
+        head = lm_head or DEFAULT_LM_HEAD.get(kernel.name, quantization)
+        if head not in (*LM_HEAD_FORMATS, quantization):
             raise ValueError(f"lm_head must be one of {', '.join(LM_HEAD_FORMATS)}, got {head!r}")
         if head == "float":
             model.lm_head_packed = PackedWeight(ONEDNN_BF16 if has_onednn_bf16() else select_matmul(device))
@@ -181,7 +202,11 @@ def load_model(
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
     if kernel is INT4:
-        adopt_q4_1_blocks(model, model_dir)
+        adopt_gguf_blocks(model, model_dir, INT4, lambda shards, kind: int4_from_gguf_blocks(shards)
+                          if kind in ("Q4_0", "Q4_1") else None)
+    elif quantization == "gguf":
+        adopt_gguf_blocks(model, model_dir, BLOCKS, lambda shards, kind: block_weight_from_gguf(
+            torch.cat(shards) if len(shards) > 1 else shards[0], kind.lower()))
     return model, config
 
 
@@ -191,32 +216,40 @@ def weight_format(model: Transformer) -> str:
     return model.matmul.name if head is model.matmul else f"{model.matmul.name} (LM head {head.name})"
 
 
-def adopt_q4_1_blocks(model: Transformer, model_dir: Path) -> int:
-    """Pack int4 layers from a GGUF import's own Q4_0 / Q4_1 blocks (no second rounding); returns how many."""
-    paths = [model_dir / name for name in BLOCK_FILES.values() if (model_dir / name).is_file()]
-    if not paths:
+def adopt_gguf_blocks(model: Transformer, model_dir: Path, kernel: Any,
+                      convert: Callable[[list[torch.Tensor], str], Any]) -> int:
+    """Pack the layers of `kernel` from a GGUF import's own blocks (no second rounding); returns how many.
+
+    `convert(shards, gguf_type)` makes the pack from a weight's blocks [out, in/32, bytes] (one per stacked
+    checkpoint tensor), or None for a type the format does not take (then rounded from float at packing). A
+    tied LM head takes the embedding's blocks and leaves the embedding, which the lookup reads, in place."""
+    kinds = {path: kind for kind, name in BLOCK_FILES.items() if (path := model_dir / name).is_file()}
+    if not kinds:
         return 0
-    targets = [(f"{name}.weight", m.packed, m.weight) for name, m in model.named_modules()
+    targets = [(f"{name}.weight", m.packed, m.weight, True) for name, m in model.named_modules()
                if isinstance(m, Linear) and m is not model.lm_head]
-    if model.lm_head is not None and model.lm_head_packed.matmul is INT4:
-        targets.append(("lm_head.weight", model.lm_head_packed, model.lm_head.weight))
+    if model.lm_head_packed.matmul is kernel:
+        head = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+        targets.append((head, model.lm_head_packed, model.lm_head_weight, model.lm_head is not None))
     adopted = 0
     with ExitStack() as stack:
-        readers = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in paths]
-        holder = {key: reader for reader in readers for key in reader.keys()}  # HF name -> the file holding its blocks
-        for name, packed, weight in targets:
+        readers = {path: stack.enter_context(safe_open(str(path), framework="pt", device="cpu")) for path in kinds}
+        holder = {key: (reader, kinds[path]) for path, reader in readers.items() for key in reader.keys()}
+        for name, packed, weight, release in targets:
             parts = hf_names(name)
-            if not all(p in holder for p in parts):
-                continue  # another GGUF type: quantized from float at packing
-            shards = [read_shard(holder[p], p, model.shard, per=32) for p in parts]
+            if not all(p in holder for p in parts) or len({holder[p][1] for p in parts}) != 1:
+                continue  # another GGUF type (or stacked tensors of two types): rounded from float at packing
+            shards = [read_shard(holder[p][0], p, model.shard, per=32) for p in parts]
             if any(b is None for b in shards):
                 continue  # this rank's columns split a block: quantized from its float shard at packing
             rows, groups = sum(b.shape[0] for b in shards), shards[0].shape[1]  # [out, in/32, bytes] each, stacked rows
             if rows != weight.shape[0] or any(b.shape[1] != groups for b in shards) or groups * 32 != weight.shape[1]:
                 raise ValueError(f"{model_dir}: blocks of {name} have shapes {[tuple(b.shape) for b in shards]}, "
                                  f"weight {tuple(weight.shape)}")
-            packed.adopt(int4_from_gguf_blocks(shards), weight)
-            adopted += 1
+            pack = convert(shards, holder[parts[0]][1])
+            if pack is not None:
+                packed.adopt(pack, weight, release=release)
+                adopted += 1
     return adopted
 
 

@@ -97,6 +97,14 @@ INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
 INT8_AVX2 = MatmulKernel("int8_avx2", 1, quantize.int8_avx2_linear, quantize.quantize_int8_float_scales,
                          min_parallel_work=16 << 20)
 
+# GGUF-style blocks of 32 weights (Q4_0, Q4_1, Q8_0) on pagoda's integer kernel (pagoda/kernels/cpu_quant_matmul.cpp):
+# activations quantized to int8 per row and block, exact integer dots per block and one fixed float sequence per
+# output, so every row count, tile, thread split and ISA variant gives the same bits; no padding. A float weight
+# packs to Q8_0 (w8a8); a GGUF's own 4-bit blocks are adopted as they are. Waking the second thread (~0.05-0.2 ms)
+# pays off above about 24M multiply-adds: the LM head at 1 row, the MLP from 16 rows (docs/kernels.md).
+BLOCKS = MatmulKernel("blocks", 1, quantize.block_linear, quantize.block_weight_from_float,
+                      min_parallel_work=24 << 20)
+
 
 def _triton_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     from pagoda.kernels import triton_matmul  # triton loads only where this kernel is chosen
@@ -107,24 +115,29 @@ def _triton_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 # CUDA with --batch-invariant: a Triton matmul whose tiles and K order never depend on the row count
 # (pagoda/kernels/triton_matmul.py), so every row count gives a row the same bits, with no padding.
 TRITON_INVARIANT = MatmulKernel("triton_invariant", 1, _triton_linear)
-QUANTIZATIONS = ("none", "int8", "int4", "auto")  # --quantization
-# `auto` is `none`: no int format is the fastest at every row count (int8_avx2 loses at 64 rows, torch's
-# int kernels from 16), and switching kernels by row count would break batch invariance
-# (docs/performance.md, "Weight formats" and "pagoda's C++ CPU kernels").
-AUTO_QUANTIZATION = "none"
+QUANTIZATIONS = ("none", "int8", "int4", "gguf", "w8a8", "auto")  # --quantization
+# `auto`: a GGUF file's own blocks (`gguf`) where the model came from one and pagoda's C++ kernels run on this
+# CPU, as llama.cpp runs a GGUF; `none` (the float kernels) otherwise (pagoda/model/loader.py resolves it).
+# `gguf` and `w8a8` both run BLOCKS: the file's Q4_0/Q4_1/Q8_0 blocks as they are (other tensors rounded to
+# Q8_0), or every weight rounded to Q8_0 from a float checkpoint.
+BLOCK_QUANTIZATIONS = ("gguf", "w8a8")
 
 
 def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKernel | None:
-    """The kernel of a `--quantization` value (None for none); ValueError when the device cannot run it."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "auto":
-        quantization = AUTO_QUANTIZATION
+    """The kernel of a `--quantization` value (None for none; `auto` resolved first, see the loader);
+    ValueError when the device cannot run it."""
+    if quantization not in QUANTIZATIONS or quantization == "auto":
+        raise ValueError(f"quantization must be one of {', '.join(q for q in QUANTIZATIONS if q != 'auto')}, "
+                         f"got {quantization!r}")
     if quantization == "none":
         return None
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--quantization {quantization} runs on the CPU only (torch's int8/int4 CPU kernels); "
+        raise ValueError(f"--quantization {quantization} runs on the CPU only (pagoda's and torch's CPU kernels); "
                          f"use --device cpu or --quantization none")
+    if quantization in BLOCK_QUANTIZATIONS:
+        if (why := cpu_native.load()) is not None:
+            raise ValueError(f"--quantization {quantization} runs on pagoda's C++ CPU kernels, and {why}")
+        return BLOCKS
     if not quantize.has_int_kernels():
         raise ValueError(f"--quantization {quantization}: this torch build lacks the CPU int8/int4 weight kernels")
     if quantization == "int8":
@@ -135,7 +148,7 @@ def quantized_matmul(quantization: str, device: torch.device | str) -> MatmulKer
 def select_matmul(device: torch.device | str, dtype: torch.dtype = torch.float32, name: str | None = None) -> MatmulKernel:
     """The matmul kernel for a device: batch-invariant float32 on CPU, torch's own elsewhere."""
     kernels = {k.name: k for k in (ONEDNN_PACKED, ONEDNN, ONEDNN_BF16, MKL_PADDED, PLAIN, INT8, INT4, INT8_AVX2,
-                                   TRITON_INVARIANT)}
+                                   BLOCKS, TRITON_INVARIANT)}
     if name is not None:
         if name not in kernels:
             raise ValueError(f"unknown matmul kernel {name!r} (known: {', '.join(kernels)})")
@@ -211,11 +224,13 @@ class PackedWeight:
             weight.data = weight.data.new_empty(0)
             self.released = True
 
-    def adopt(self, packed: Any, weight: Tensor) -> None:
-        """Take a pack made elsewhere (int4 from a GGUF's own blocks) and free the plain weight: it is final."""
+    def adopt(self, packed: Any, weight: Tensor, release: bool = True) -> None:
+        """Take a pack made elsewhere (from a GGUF's own blocks): final; the plain weight freed with `release`
+        (kept for a tied LM head, whose weight the embedding lookup reads)."""
         self.packed, self.key, self.released = packed, None, True
         self.shape = tuple(weight.shape)
-        weight.data = weight.data.new_empty(0)
+        if release:
+            weight.data = weight.data.new_empty(0)
 
     def clear(self) -> None:
         if self.released:

@@ -121,8 +121,14 @@ def _pack_int4(q: Tensor, scale: Tensor, zero: Tensor) -> Int4Weight:
     return Int4Weight(packed, scales_zeros, q.shape[1])
 
 
-def dequantize(weight: Int8Weight | Int4Weight) -> Tensor:
+def dequantize(weight: Int8Weight | Int4Weight | BlockWeight) -> Tensor:
     """The float32 weight [N, K] a pack multiplies by (to check a pack, not on the serving path)."""
+    if isinstance(weight, BlockWeight):  # the gguf package's dequantization, to the bit
+        q, d, m = block_values(weight)
+        d, m = d.repeat_interleave(GROUP_SIZE, dim=1), m.repeat_interleave(GROUP_SIZE, dim=1)
+        if weight.format == "q4_1":
+            return d * q + m
+        return d * (q - 8) if weight.format == "q4_0" else q * d
     if isinstance(weight, Int8Weight):
         return weight.qweight.float() * weight.scales.float()[:, None]
     sz = weight.scales_zeros.float()  # [K/G, N, 2]
@@ -175,6 +181,118 @@ def int4_linear(x: Tensor, weight: Int4Weight | Tensor, bias: Tensor | None) -> 
         weight = quantize_int4(weight)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(ACTIVATION_DTYPE), weight.packed, GROUP_SIZE,
                                                      weight.scales_zeros).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+# GGUF blocks of 32 weights for pagoda's integer block products (pagoda/kernels/cpu_quant_matmul.cpp, layout and
+# arithmetic in cpu_quant.h): the file's blocks, repacked once into 16-column groups with float32 scales.
+BLOCK_FORMATS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # name -> the kernel's format code
+BLOCK_BYTES = {"q4_0": Q4_0_BLOCK_BYTES, "q4_1": Q4_1_BLOCK_BYTES, "q8_0": 34}  # one GGUF block
+BLOCK_COLUMNS = 16  # output columns a packed group interleaves
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A Q4_0 / Q4_1 / Q8_0 weight [N, K] in the block products' packed layout (cpu_quant.h)."""
+
+    format: str  # "q4_0", "q4_1" or "q8_0"
+    qs: Tensor  # [ceil(N/16), K/32, 256 (4-bit) or 512 (8-bit)] uint8
+    d: Tensor  # [ceil(N/16), K/32, 16] float32
+    m: Tensor  # [ceil(N/16), K/32, 16] float32 for q4_1, else empty
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+def block_weight_from_gguf(blocks: Tensor, fmt: str) -> BlockWeight:
+    """GGUF blocks [N, K/32, 18 (q4_0), 20 (q4_1) or 34 (q8_0)] uint8, rows in torch order -> the packed weight."""
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"block format must be one of {', '.join(BLOCK_FORMATS)}, got {fmt!r}")
+    n, kb, size = blocks.shape
+    if size != BLOCK_BYTES[fmt]:
+        raise ValueError(f"{fmt} blocks have {BLOCK_BYTES[fmt]} bytes, not {size}")
+    groups, pad = -(-n // BLOCK_COLUMNS), -n % BLOCK_COLUMNS
+    blocks = torch.nn.functional.pad(blocks, (0, 0, 0, 0, 0, pad))  # zero columns: d = 0, m = 0
+
+    def scales(offset: int) -> Tensor:  # float16 at byte `offset` of each block -> [G, K/32, 16] float32
+        f = blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()[..., 0]  # [N', K/32]
+        return f.reshape(groups, BLOCK_COLUMNS, kb).transpose(1, 2).contiguous()
+
+    if fmt == "q8_0":
+        q = blocks[..., 2:]  # [N', K/32, 32] int8 bits
+    else:
+        nibbles = blocks[..., size - 16:]  # byte i: weight i (low nibble), weight i + 16 (high)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N', K/32, 32] in 0..15
+    # [G, 16 columns, K/32, 8 quads, 4] -> [G, K/32, 8 quads, 16 columns, 4]
+    q = q.reshape(groups, BLOCK_COLUMNS, kb, 8, 4).permute(0, 2, 3, 1, 4)
+    if fmt != "q8_0":
+        q = q[:, :, :4] | (q[:, :, 4:] << 4)  # quads j and j + 4 share chunk j, low and high nibbles
+    qs = q.reshape(groups, kb, -1).contiguous()
+    m = scales(2) if fmt == "q4_1" else torch.empty(0)
+    return BlockWeight(fmt, qs, scales(0), m, n, kb * GROUP_SIZE)
+
+
+def block_weight_from_float(weight: Tensor, fmt: str = "q8_0") -> BlockWeight:
+    """weight [N, K] float -> blocks of 32 rounded as the gguf package's (and llama.cpp's) reference quantizers
+    round them (float32 arithmetic, the scales stored as float16), packed for the block products."""
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"{fmt} needs the input size ({k}) to be a multiple of {GROUP_SIZE}")
+    w = weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+
+    def inverse(d: Tensor) -> Tensor:
+        return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+    def half_bytes(d: Tensor) -> Tensor:
+        return d.to(torch.float16).view(torch.uint8)  # [N, K/32, 2]
+
+    if fmt == "q8_0":
+        d = w.abs().amax(dim=-1, keepdim=True) / 127
+        a = (w * inverse(d)).abs()  # round half away from zero, as gguf.quants.np_roundf
+        floored = a.floor()
+        q = torch.sign(w) * (floored + (2 * (a - floored)).floor())
+        blocks = torch.cat([half_bytes(d), q.to(torch.int8).view(torch.uint8)], dim=-1)
+    elif fmt == "q4_0":
+        d = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)) / -8
+        q = torch.trunc(w * inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
+        blocks = torch.cat([half_bytes(d), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    elif fmt == "q4_1":
+        lo = w.amin(dim=-1, keepdim=True)
+        d = (w.amax(dim=-1, keepdim=True) - lo) / 15
+        q = torch.trunc((w - lo) * inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
+        blocks = torch.cat([half_bytes(d), half_bytes(lo), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    else:
+        raise ValueError(f"block format must be one of {', '.join(BLOCK_FORMATS)}, got {fmt!r}")
+    return block_weight_from_gguf(blocks, fmt)
+
+
+def block_values(weight: BlockWeight) -> tuple[Tensor, Tensor, Tensor]:
+    """(q [N, K] float32: 0..15, or -128..127 for q8_0; d [N, K/32]; m [N, K/32], zeros but for q4_1) of a pack."""
+    groups, kb, _ = weight.qs.shape
+    q = weight.qs.reshape(groups, kb, -1, BLOCK_COLUMNS, 4)  # [G, K/32, chunks, 16, 4]
+    if weight.format == "q8_0":
+        q = q.view(torch.int8)
+    else:
+        q = torch.cat([q & 0x0F, q >> 4], dim=2)  # [G, K/32, 8 quads, 16, 4]
+    q = q.permute(0, 3, 1, 2, 4).reshape(groups * BLOCK_COLUMNS, kb * GROUP_SIZE)[:weight.out_features].float()
+
+    def per_column(t: Tensor) -> Tensor:  # [G, K/32, 16] -> [N, K/32]
+        return t.transpose(1, 2).reshape(groups * BLOCK_COLUMNS, kb)[:weight.out_features]
+
+    d = per_column(weight.d)
+    m = per_column(weight.m) if weight.format == "q4_1" else torch.zeros_like(d)
+    return q, d, m
+
+
+def block_linear(x: Tensor, weight: BlockWeight | Tensor, bias: Tensor | None) -> Tensor:
+    """x [T, K] float32 -> [T, N] float32 through pagoda's integer block products (int8 activations per block of
+    32, float32 output); a plain weight is quantized to q8_0 first."""
+    if isinstance(weight, Tensor):
+        weight = block_weight_from_float(weight, "q8_0")  # not packed yet (weights still loading)
+    out = cpu_native.block_linear(x, weight.qs, weight.d, weight.m, BLOCK_FORMATS[weight.format], weight.out_features)
     return out if bias is None else out + bias
 
 

@@ -41,10 +41,12 @@ sequences of 64-4096 tokens but one (64 x 1024, 0.59M score elements: 1.15x
 slower), 170 against 190 ms at 64 x 4096 (2.4M) (`pagoda bench kernels
 --threads 1` against `--threads 2`, docs/performance.md).
 
-CUDA graphs (`EngineConfig.cuda_graphs`, off by default). On CUDA a decode-only step of up to 64
+Graphs. On CUDA (`EngineConfig.cuda_graphs`, off by default) a decode-only step of up to 64
 sequences replays a graph captured at start-up for the smallest batch-size bucket that holds it, its
 rows copied into static buffers first (`fill_graph`); every other step runs as below
-(pagoda/model/cuda_graphs.py). Elsewhere, or where a capture fails, the runner says why and runs eagerly.
+(pagoda/model/cuda_graphs.py). On a CPU (`EngineConfig.cpu_graphs`, on by default) the same steps replay
+a recorded step in one native call (pagoda/model/cpu_graphs.py) where every kernel of the step is one of
+pagoda's own. Where a capture or recording fails, the runner says why and runs eagerly.
 
 Tensor parallelism. A step is first reduced to its `StepPlan`: the plain lists (token ids,
 lengths, block tables, the rows that sample) everything after depends on. A
@@ -69,7 +71,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import cpu_facts
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
-from pagoda.model import cuda_graphs
+from pagoda.model import cpu_graphs, cuda_graphs
 from pagoda.model.config import ModelConfig
 from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.loader import weight_format
@@ -133,17 +135,19 @@ class TorchModelRunner:
         # the LM head's kernel may differ from the layers' (a float head over int4 layers)
         self.row_multiple = row_multiple or max(model.matmul.row_multiple, model.lm_head_packed.matmul.row_multiple)
         c, shard = self.model_config, model.shard
-        # config.cuda_graphs: decode-only steps replay CUDA graphs (pagoda/model/cuda_graphs.py), whose padded rows
-        # write a scratch block past the pool
-        why_not = cuda_graphs.unavailable(self.device, model) if config.cuda_graphs else "off: not asked for"
-        graphs = config.cuda_graphs and why_not is None
+        # decode-only steps replay graphs: CUDA graphs (config.cuda_graphs, pagoda/model/cuda_graphs.py) or CPU step
+        # graphs (config.cpu_graphs, pagoda/model/cpu_graphs.py), whose padded rows write a scratch block past the pool
+        cpu = self.device.type == "cpu" and not config.cuda_graphs  # CUDA graphs asked for on a CPU: they say why not
+        kind, asked = (cpu_graphs, config.cpu_graphs) if cpu else (cuda_graphs, config.cuda_graphs)
+        why_not = kind.unavailable(self.device, model) if asked else "off: not asked for"
+        graphs = asked and why_not is None
         shape = (self.num_blocks + int(graphs), self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
         self.graphs: cuda_graphs.DecodeGraphs | None = None
-        self.graphs_summary = why_not if not config.cuda_graphs else f"off: {why_not}; every step runs eagerly"
+        self.graphs_summary = why_not if not asked else f"off: {why_not}; every step runs eagerly"
         if graphs:
-            self.graphs, self.graphs_summary = cuda_graphs.start(self, config.max_running, config.max_model_len,
-                                                                 scratch_block=self.num_blocks)
+            self.graphs, self.graphs_summary = kind.start(self, config.max_running, config.max_model_len,
+                                                          scratch_block=self.num_blocks)
 
     def describe(self) -> dict[str, Any]:
         """What /health and the model card say of the model: its architecture and the plugin that built it."""
@@ -173,7 +177,7 @@ class TorchModelRunner:
         return None if logits is None else logits[: inputs.num_samples]
 
     def _replay(self, plan: StepPlan) -> Tensor | None:
-        """A decode-only step through its bucket's CUDA graph: float32 logits [n, V] (None: it runs eagerly)."""
+        """A decode-only step through its bucket's graph: float32 logits [n, V] (None: it runs eagerly)."""
         bucket = self.graphs.can_run(plan.query_lens, plan.seq_lens, plan.block_tables, plan.logits_rows)
         if bucket is None:
             return None

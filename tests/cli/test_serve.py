@@ -54,6 +54,7 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--batch-invariant": (["--batch-invariant"], lambda b: b.options.batch_invariant is True and b.config.batch_invariant),
     "--no-batch-invariant": (["--no-batch-invariant"], lambda b: b.config.batch_invariant is False),
     "--cuda-graphs": (["--cuda-graphs"], lambda b: b.options.cuda_graphs is True and b.config.cuda_graphs),
+    "--no-cpu-graphs": (["--no-cpu-graphs"], lambda b: b.options.cpu_graphs is False and not b.config.cpu_graphs),
     "--api-key": (["--api-key", "sekret"], lambda b: b.settings.api_key == "sekret"),
     "--api-keys-file": (["--api-keys-file", "keys.toml"], lambda b: b.settings.api_keys_file == "keys.toml"),
     "--disconnect-policy": (["--disconnect-policy", "finish"], lambda b: b.settings.disconnect_policy == "finish"),

@@ -18,7 +18,7 @@ from pagoda.model.factory import make_engine
 from pagoda.model.llama import build_model
 from pagoda.model.loader import load_model
 from pagoda.kernels import cpu_native
-from pagoda.model.matmul import INT4, INT8, INT8_AVX2, ONEDNN_BF16
+from pagoda.model.matmul import BLOCKS, INT4, INT8, INT8_AVX2, ONEDNN_BF16
 from pagoda.model.quantize import has_int_kernels
 from pagoda.model.runner import TorchModelRunner
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
@@ -36,10 +36,14 @@ class RecordingRunner:
         self.row_multiple = inner.row_multiple
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         self.max_chunks = 0  # the most requests one step carried
+        self.replays = 0  # decode steps replayed from a recorded graph (CPU step graphs, where the format has them)
 
     def execute(self, batch):
         self.max_chunks = max(self.max_chunks, len(batch.chunks))
+        graphs = self.inner.graphs
+        before = getattr(graphs, "replays", 0)
         out = self.inner.execute(batch)
+        self.replays += getattr(graphs, "replays", 0) - before
         rows = iter(out.logits)  # per sampling chunk: its last token's row, then one per draft
         for chunk in batch.sample_chunks:
             for end in range(chunk.end, chunk.end + chunk.num_logits_rows):
@@ -104,6 +108,8 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None):
     jobs = others[:4] + list(targets) + others[4:]
     in_crowd, _, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks)
     assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
+    if engine.runner.inner.graphs is not None:  # step graphs: the crowd's decode steps were replays
+        assert engine.runner.replays > 0
     for rid in alone:
         assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
         assert_same_logits(engine, alone_rows, rid)
@@ -140,7 +146,8 @@ needs_avx2 = pytest.mark.skipif(not cpu_native.available(), reason=f"{cpu_native
 
 
 @pytest.mark.parametrize("matmul", [pytest.param(INT8, marks=needs_int), pytest.param(INT4, marks=needs_int),
-                                    pytest.param(INT8_AVX2, marks=needs_avx2)], ids=lambda k: k.name)
+                                    pytest.param(INT8_AVX2, marks=needs_avx2), pytest.param(BLOCKS, marks=needs_avx2)],
+                         ids=lambda k: k.name)
 def test_tiny_model_tokens_are_batch_invariant_on_int_weights(matmul):
     model = build_model(named_config("tiny"), max_positions=512, matmul=matmul)
     model.init_random_weights(seed=5, std=0.1)  # quantized at packing, the LM head too
@@ -154,13 +161,15 @@ def test_tiny_model_tokens_are_batch_invariant_on_int_weights(matmul):
 
 @pytest.mark.parametrize("dtype, quantization", [
     ("float32", "none"),
+    pytest.param("float32", "gguf", marks=needs_avx2),
     pytest.param("bfloat16", "none", marks=pytest.mark.slow),
     pytest.param("float32", "int8", marks=[needs_int, pytest.mark.slow]),
     pytest.param("float32", "int4", marks=[needs_int, pytest.mark.slow]),
-], ids=["float32", "bfloat16", "int8", "int4"])
+], ids=["float32", "gguf", "bfloat16", "int8", "int4"])
 def test_default_model_tokens_are_batch_invariant(default_model_dir, dtype, quantization):  # noqa: F811
-    """Every CPU weight format: float32 (onednn_packed), bfloat16 (onednn_bf16, where native), int8 (int8_avx2
-    where it builds), int4."""
+    """Every CPU weight format: float32 (onednn_packed), the GGUF's own blocks (the default: CPU step graphs for
+    its decode steps), bfloat16 (onednn_bf16, where native), int8 (int8_avx2 where it builds, step graphs too),
+    int4."""
     model, _ = load_model(default_model_dir, dtype, "cpu", max_positions=512, quantization=quantization)
     if dtype == "bfloat16" and model.matmul is not ONEDNN_BF16:
         pytest.skip("no native bfloat16 products on this CPU")

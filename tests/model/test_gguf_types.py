@@ -117,7 +117,44 @@ def test_greedy_agreement_with_the_float_model(qtype, tiny_llama, tmp_path):
     assert agreement >= AGREEMENT[qtype], agreement
 
 
+def layer_stacks(layer):
+    """A layer's stacked products -> the checkpoint tensors each stacks."""
+    return {
+        layer.self_attn.qkv_proj: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        layer.self_attn.o_proj: ["self_attn.o_proj"],
+        layer.mlp.gate_up_proj: ["mlp.gate_proj", "mlp.up_proj"],
+        layer.mlp.down_proj: ["mlp.down_proj"],
+    }
+
+
 @pytest.mark.parametrize("qtype", sorted(BLOCK_FILES))
+def test_the_gguf_format_multiplies_the_files_own_blocks(qtype, tiny_llama, tmp_path):
+    """--quantization gguf (auto's choice for a GGUF on a CPU) takes Q4_0 / Q4_1 / Q8_0 blocks as they are: every
+    layer's pack holds exactly the values the gguf package dequantizes; the tied LM head takes the embedding's
+    blocks and the embedding stays for the lookup."""
+    from pagoda.kernels import cpu_native
+    from pagoda.model.loader import load_model
+    from pagoda.model.quantize import BlockWeight, dequantize
+
+    if not cpu_native.available():
+        pytest.skip(f"{cpu_native.load()}")
+    model, config, _, _ = tiny_llama
+    reference = write_gguf(tmp_path / "m.gguf", model.state_dict(), config, qtype)
+    directory = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", progress=False)
+    ours, _ = load_model(directory, dtype="auto", device="cpu", max_positions=64, quantization="auto")  # its own
+    assert ours.matmul.name == "blocks"
+    for linear, parts in layer_stacks(ours.model.layers[0]).items():
+        pack = linear.packed.packed
+        assert linear.packed.released and isinstance(pack, BlockWeight) and pack.format == qtype.lower()
+        want = torch.from_numpy(np.concatenate([reference[f"model.layers.0.{p}.weight"] for p in parts]))
+        assert torch.equal(dequantize(pack), want), parts  # the file's values, not rounded again
+    embedding = "model.embed_tokens.weight"
+    if ours.lm_head is None and ours.model.embed_tokens.weight.numel():
+        head = ours.lm_head_packed.packed
+        assert isinstance(head, BlockWeight) and torch.equal(dequantize(head), torch.from_numpy(reference[embedding]))
+
+
+@pytest.mark.parametrize("qtype", sorted(k for k in BLOCK_FILES if k.startswith("Q4")))
 def test_int4_packs_the_files_own_4_bit_blocks(qtype, tiny_llama, tmp_path):
     """--quantization int4 takes Q4_0 / Q4_1 blocks as they are: the file's q, scales rounded to bfloat16."""
     from pagoda.model.loader import load_model
@@ -130,14 +167,7 @@ def test_int4_packs_the_files_own_4_bit_blocks(qtype, tiny_llama, tmp_path):
     reference = write_gguf(tmp_path / "m.gguf", model.state_dict(), config, qtype)
     directory = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", progress=False)
     ours, _ = load_model(directory, dtype="float32", device="cpu", max_positions=64, quantization="int4")
-    layer = ours.model.layers[0]
-    stacks = {
-        layer.self_attn.qkv_proj: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-        layer.self_attn.o_proj: ["self_attn.o_proj"],
-        layer.mlp.gate_up_proj: ["mlp.gate_proj", "mlp.up_proj"],
-        layer.mlp.down_proj: ["mlp.down_proj"],
-    }
-    for linear, parts in stacks.items():
+    for linear, parts in layer_stacks(ours.model.layers[0]).items():
         assert isinstance(linear, Linear) and linear.packed.released  # adopted from the blocks, not rounded again
         assert isinstance(linear.packed.packed, Int4Weight)
         want = torch.from_numpy(np.concatenate([reference[f"model.layers.0.{p}.weight"] for p in parts]))

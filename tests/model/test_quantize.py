@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagoda.kernels import cpu_native
-from pagoda.model.matmul import INT4, INT8, INT8_AVX2, ONEDNN_BF16, QUANTIZATIONS, quantized_matmul
+from pagoda.model.matmul import BLOCKS, INT4, INT8, INT8_AVX2, ONEDNN_BF16, QUANTIZATIONS, quantized_matmul
 from pagoda.model.quantize import (GROUP_SIZE, Int4Weight, dequantize, has_int_kernels, int4_from_q4_1, int4_linear,
                                    int4_values, int8_avx2_linear, int8_linear, quantize_int4, quantize_int8,
                                    quantize_int8_float_scales)
@@ -132,11 +132,22 @@ def test_int4_loads_the_default_model_from_its_blocks(default_model_dir):  # noq
         load_model(default_model_dir, "auto", "cpu", max_positions=64, quantization="int4", lm_head="int2")
 
 
-def test_quantization_values_and_devices():
-    assert QUANTIZATIONS == ("none", "int8", "int4", "auto")
+def test_quantization_values_and_devices(default_model_dir, tmp_path):
+    from pagoda.model.loader import resolve_quantization
+
+    assert QUANTIZATIONS == ("none", "int8", "int4", "gguf", "w8a8", "auto")
     assert quantized_matmul("none", "cpu") is None
-    assert quantized_matmul("auto", "cpu") is None  # measured: int formats lose at 16-64 rows (docs/performance.md)
-    assert quantized_matmul("int8", "cpu") is (INT8_AVX2 if cpu_native.available() else INT8)
+    # auto: a GGUF's own blocks on a CPU that runs pagoda's kernels (the default model is a GGUF), else none
+    native = cpu_native.available()
+    assert resolve_quantization("auto", default_model_dir, "cpu") == ("gguf" if native else "none")
+    assert resolve_quantization("auto", tmp_path, "cpu") == "none"  # no GGUF blocks: a float checkpoint
+    assert resolve_quantization("auto", default_model_dir, "cuda") == "none"
+    assert resolve_quantization("int8", default_model_dir, "cpu") == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        quantized_matmul("auto", "cpu")  # resolved by the loader first
+    if native:
+        assert quantized_matmul("gguf", "cpu") is quantized_matmul("w8a8", "cpu") is BLOCKS
+    assert quantized_matmul("int8", "cpu") is (INT8_AVX2 if native else INT8)
     assert quantized_matmul("int4", "cpu") is INT4
     with pytest.raises(ValueError, match="CPU only"):
         quantized_matmul("int4", "cuda")

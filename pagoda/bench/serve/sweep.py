@@ -46,7 +46,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     g.add_argument("--peer-model-name")
     g.add_argument("--model", default="default", help="what the pagoda started here serves")
     g.add_argument("--dtype")
-    g.add_argument("--quantization", choices=("none", "int8", "int4", "auto"))
+    g.add_argument("--quantization", choices=("none", "int8", "int4", "gguf", "w8a8", "auto"))
     g.add_argument("--num-blocks", type=int)
     g.add_argument("--max-running", type=int)
     g.add_argument("--server-arg", action="append", default=[], metavar="ARG",

@@ -39,8 +39,8 @@ from torch import Tensor, nn
 
 from pagoda.distributed.group import TensorGroup
 from pagoda.model.config import ModelConfig, ModelConfigError, common_fields
-from pagoda.model.llama import (ACTIVATIONS, MLP, SAME_THREADS, Attention, LinearThreads, RMSNorm, StepContext,
-                                build_model)
+from pagoda.model.llama import (MLP, SAME_THREADS, Attention, LinearThreads, RMSNorm, StepContext, build_model,
+                                gated)
 from pagoda.model.matmul import Linear, MatmulKernel
 from pagoda.model.shard import ShardPlan
 from pagoda.plugins import hookimpl
@@ -86,13 +86,12 @@ class Expert(nn.Module):
     def __init__(self, config: ModelConfig, matmul: MatmulKernel, **factory: Any) -> None:
         super().__init__()
         self.intermediate_size = config.moe_intermediate_size
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.activation = config.hidden_act
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, False, matmul, **factory)
         self.down_proj = Linear(self.intermediate_size, config.hidden_size, False, matmul, **factory)
 
     def forward(self, x: Tensor, threads: LinearThreads = SAME_THREADS) -> Tensor:
-        gate, up = threads.linear(self.gate_up_proj, x).split(self.intermediate_size, dim=-1)
-        return threads.linear(self.down_proj, self.act(gate).mul_(up))
+        return threads.linear(self.down_proj, gated(threads.linear(self.gate_up_proj, x), self.activation))
 
 
 class SparseMoeBlock(nn.Module):
