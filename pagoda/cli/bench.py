@@ -25,6 +25,7 @@ BENCHMARKS = {
     "fleet": "pagoda.bench.fleet",
     "router-read": "pagoda.bench.router_read",
     "invariance": "pagoda.bench.invariance",
+    "answers": "pagoda.bench.answers",
 }
 
 

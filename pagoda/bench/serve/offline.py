@@ -46,7 +46,7 @@ def offline_engine(model: str, *, dtype: str | None, max_running: int | None, pr
     model_dir = resolve_model(model, progress=False)
     tokenizer = Tokenizer.from_dir(model_dir)
     longest = max(len(tokenizer.encode(p.text)) + p.max_tokens for p in prompts)
-    options = EngineOptions(model=model, dtype=dtype or "auto", quantization=quantization or "none", block_size=block_size,
+    options = EngineOptions(model=model, dtype=dtype or "auto", quantization=quantization or "auto", block_size=block_size,
                             num_blocks=max_concurrency * -(-longest // block_size) + 2,
                             **({"max_running": max_running} if max_running else {}))
     return OfflineEngine(load_engine(model_dir, tokenizer, options), tokenizer)
