@@ -214,6 +214,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", help="the weight format (auto: a GGUF's own blocks on a CPU)")
+    p.add_argument("--no-cpu-graphs", dest="cpu_graphs", action="store_false",
+                   help="every CPU step eagerly (default: decode steps replay CPU step graphs where they can)")
     p.add_argument("--replicas", type=int, default=1, help="more than 1: the clients go through a router to them")
     p.add_argument("--router-policy", default="prefix", choices=POLICIES, help="with --replicas N: the router's")
     return p
@@ -243,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         replicas = [stack.enter_context(live_server(
             model_dir, "soak", num_blocks=args.num_blocks, block_size=16, max_running=args.max_running,
-            max_batched_tokens=256, max_model_len=args.max_model_len, device=args.device, dtype=args.dtype))
+            max_batched_tokens=256, max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+            quantization=args.quantization, cpu_graphs=args.cpu_graphs))
             for _ in range(args.replicas)]
         front = replicas[0]
         if args.replicas > 1:

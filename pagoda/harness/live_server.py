@@ -76,7 +76,8 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
                  refuse_unknown_models: bool = False, **engine_options: Any) -> LiveServer:
     """Build the engine through the real loading path and serve it; stop it with `.server.stop()`.
 
-    `engine_options` are EngineOptions fields (device and dtype default to cpu/float32 here);
+    `engine_options` are EngineOptions fields (device, dtype and quantization default to cpu/float32/none here:
+    the exact path, whose answers equal transformers'; `pagoda serve`'s default is quantization auto);
     `settings` replaces the serve settings (its model name and key are taken from the arguments).
     The crowd clients and most tests send a placeholder model name, so by default any name is answered
     as `model_name`; `refuse_unknown_models=True` serves as `pagoda serve` does (404 for another name).
@@ -87,7 +88,8 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     # the model is looked up in the architectures these plugins register, as `pagoda serve` does
     engine_options.setdefault("architectures", Architectures(collect_architectures(plugins)))
     engine_options.setdefault("scheduling_policies", collect_scheduling_policies(plugins))  # and the policies
-    options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", **engine_options})
+    options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32", "quantization": "none",
+                               **engine_options})
     engine, tokenizer, _ = build_engine(options, progress=False)
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, tokenizer, plugins, settings)

@@ -202,11 +202,11 @@ def load_model(
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
     if kernel is INT4:
-        adopt_gguf_blocks(model, model_dir, INT4, lambda shards, kind: int4_from_gguf_blocks(shards)
-                          if kind in ("Q4_0", "Q4_1") else None)
-    elif quantization == "gguf":
-        adopt_gguf_blocks(model, model_dir, BLOCKS, lambda shards, kind: block_weight_from_gguf(
-            torch.cat(shards) if len(shards) > 1 else shards[0], kind.lower()))
+        adopt_gguf_blocks(model, model_dir, INT4, lambda shards, kinds: int4_from_gguf_blocks(shards)
+                          if set(kinds) <= {"Q4_0", "Q4_1"} else None)  # Q4_0 and Q4_1 parts may stack
+    elif quantization == "gguf":  # one block format a weight: parts of two types are rounded to Q8_0 at packing
+        adopt_gguf_blocks(model, model_dir, BLOCKS, lambda shards, kinds: block_weight_from_gguf(
+            torch.cat(shards), kinds[0].lower()) if len(set(kinds)) == 1 else None)
     return model, config
 
 
@@ -217,11 +217,12 @@ def weight_format(model: Transformer) -> str:
 
 
 def adopt_gguf_blocks(model: Transformer, model_dir: Path, kernel: Any,
-                      convert: Callable[[list[torch.Tensor], str], Any]) -> int:
+                      convert: Callable[[list[torch.Tensor], list[str]], Any]) -> int:
     """Pack the layers of `kernel` from a GGUF import's own blocks (no second rounding); returns how many.
 
-    `convert(shards, gguf_type)` makes the pack from a weight's blocks [out, in/32, bytes] (one per stacked
-    checkpoint tensor), or None for a type the format does not take (then rounded from float at packing). A
+    `convert(shards, gguf_types)` makes the pack from a weight's blocks [out, in/32, bytes] and GGUF types (one
+    each per stacked checkpoint tensor), or None for types the format does not take (then rounded from float at
+    packing). A
     tied LM head takes the embedding's blocks and leaves the embedding, which the lookup reads, in place."""
     kinds = {path: kind for kind, name in BLOCK_FILES.items() if (path := model_dir / name).is_file()}
     if not kinds:
@@ -237,8 +238,8 @@ def adopt_gguf_blocks(model: Transformer, model_dir: Path, kernel: Any,
         holder = {key: (reader, kinds[path]) for path, reader in readers.items() for key in reader.keys()}
         for name, packed, weight, release in targets:
             parts = hf_names(name)
-            if not all(p in holder for p in parts) or len({holder[p][1] for p in parts}) != 1:
-                continue  # another GGUF type (or stacked tensors of two types): rounded from float at packing
+            if not all(p in holder for p in parts):
+                continue  # another GGUF type: rounded from float at packing
             shards = [read_shard(holder[p][0], p, model.shard, per=32) for p in parts]
             if any(b is None for b in shards):
                 continue  # this rank's columns split a block: quantized from its float shard at packing
@@ -246,7 +247,7 @@ def adopt_gguf_blocks(model: Transformer, model_dir: Path, kernel: Any,
             if rows != weight.shape[0] or any(b.shape[1] != groups for b in shards) or groups * 32 != weight.shape[1]:
                 raise ValueError(f"{model_dir}: blocks of {name} have shapes {[tuple(b.shape) for b in shards]}, "
                                  f"weight {tuple(weight.shape)}")
-            pack = convert(shards, holder[parts[0]][1])
+            pack = convert(shards, [holder[p][1] for p in parts])
             if pack is not None:
                 packed.adopt(pack, weight, release=release)
                 adopted += 1

@@ -16,9 +16,10 @@ from pagoda.model.ranks import sharded_model
 def tp_model(model_dir: Path, size: int = 2, **options: Any):
     """Rank 0's shard of the model in `model_dir` and its `Ranks`, the other ranks holding theirs; (model, ranks).
 
-    `options` are EngineOptions fields (cpu and float32 by default), the same for every rank."""
+    `options` are EngineOptions fields (cpu, float32 and no quantization by default: the exact path), the same
+    for every rank."""
     engine_options = EngineOptions(**{"model": str(model_dir), "device": "cpu", "dtype": "float32",
-                                      "tensor_parallel_size": size, **options})
+                                      "quantization": "none", "tensor_parallel_size": size, **options})
     with sharded_model(model_dir, engine_options) as (model, ranks):
         yield model, ranks
 
