@@ -46,6 +46,7 @@ enum Op : int64_t {
   SCALE = 9,  // x, n, out; factor: out = x * factor
   QUANT_ROWS = 10,  // x, ldx, K, M, xq, xd, xsum (cpu_quant.h)
   BLOCK_PRODUCT = 11,  // format, qs, d, m, N, K, xq, xd, xsum, M, out, ldo
+  SHIFT = 12,  // x, n, out; addend: out = x + addend
 };
 
 template <typename T>
@@ -158,6 +159,14 @@ void run_node(const int64_t* c, const double* p, int t, int n) {
       for (int64_t i = b; i < e; ++i) out[i] = x[i] * f;
       break;
     }
+    case SHIFT: {
+      share(c[2], t, n, b, e);
+      const float* x = ptr<const float>(c[1]);
+      float* out = ptr<float>(c[3]);
+      const float addend = static_cast<float>(p[0]);
+      for (int64_t i = b; i < e; ++i) out[i] = x[i] + addend;
+      break;
+    }
     case QUANT_ROWS:
       share(c[4], t, n, b, e);
       pagoda_quant::quantize_rows(ptr<const float>(c[1]), c[2], c[3], b, e, ptr<int8_t>(c[5]), ptr<float>(c[6]),
@@ -188,7 +197,7 @@ void graph_run(const at::Tensor& code, const at::Tensor& params, int64_t threads
   const int64_t* c = code.data_ptr<int64_t>();
   const double* p = params.data_ptr<double>();
   for (int64_t i = 0; i < nodes; ++i)
-    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= BLOCK_PRODUCT, "node ", i, ": unknown op ", c[i * kSlots]);
+    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= SHIFT, "node ", i, ": unknown op ", c[i * kSlots]);
   PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   SpinBarrier barrier;
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, threads)))

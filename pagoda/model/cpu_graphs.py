@@ -46,7 +46,8 @@ logger = logging.getLogger("pagoda.model")
 # CPU steps cost what their rows cost (no launch-bound floor), so buckets are finer than on a GPU
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SLOTS, PARAMS = 20, 4  # a node's int64 slots and float64 parameters (cpu_graph.cpp)
-GATHER, RMS_NORM, ROPE, WRITE_KV, ATTENTION, INT8_LINEAR, ACT_MUL, ADD, COPY, SCALE, QUANT_ROWS, BLOCK_PRODUCT = range(12)
+(GATHER, RMS_NORM, ROPE, WRITE_KV, ATTENTION, INT8_LINEAR, ACT_MUL, ADD, COPY, SCALE, QUANT_ROWS, BLOCK_PRODUCT,
+ SHIFT) = range(13)
 
 _ops = torch.ops.aten
 PRODUCTS = {"blocks", "int8_avx2"}  # the matmul kernels a step graph replays (pagoda's own)
@@ -122,7 +123,10 @@ class StepRecorder(TorchDispatchMode):
         self._node(GATHER, [_ptr(table), table.stride(0), _ptr(idx), rows, table.shape[1], _ptr(out), ldo],
                    keep=[table, idx, out])
 
-    def add(self, a: Tensor, b: Tensor, out: Tensor, alpha: Any = 1) -> None:
+    def add(self, a: Tensor, b: Any, out: Tensor, alpha: Any = 1) -> None:
+        if alpha == 1 and _scalar(b):  # a + c (Gemma's 1 + w norms)
+            self.elementwise(SHIFT, a, b, out)
+            return
         if alpha != 1 or not isinstance(b, Tensor) or a.shape != out.shape:
             raise Refused("a + b of float32 matrices")
         rows, lda = _rows(a)
@@ -135,14 +139,13 @@ class StepRecorder(TorchDispatchMode):
             raise Refused(f"a + b of shapes {tuple(a.shape)} and {tuple(b.shape)}")
         self._node(ADD, [_ptr(a), lda, _ptr(b), ldb, _ptr(out), ldo, rows, a.shape[1]], keep=[a, b, out])
 
-    def scale(self, x: Tensor, factor: Any, out: Tensor) -> None:
-        if isinstance(factor, Tensor):
-            if factor.numel() != 1:
-                raise Refused("x * a scalar")
-            factor = factor.item()
+    def elementwise(self, op: int, x: Tensor, scalar: Any, out: Tensor) -> None:
+        """out = x * scalar (SCALE) or x + scalar (SHIFT), each element one IEEE operation, as torch's."""
+        if isinstance(scalar, Tensor):
+            scalar = scalar.item()
         if x.dtype != torch.float32 or not x.is_contiguous() or not out.is_contiguous() or x.shape != out.shape:
-            raise Refused("x * a scalar of contiguous float32")
-        self._node(SCALE, [_ptr(x), x.numel(), _ptr(out)], [float(factor)], keep=[x, out])
+            raise Refused("an elementwise op with a scalar on contiguous float32")
+        self._node(op, [_ptr(x), x.numel(), _ptr(out)], [float(scalar)], keep=[x, out])
 
     def copy(self, src: Tensor, out: Tensor) -> None:
         if src.dtype != torch.float32 or src.dim() > 3 or not out.is_contiguous():
@@ -204,10 +207,11 @@ def _handlers() -> dict[Any, Any]:
         _ops.index.Tensor: lambda s, a, k, o: r.gather(s, a[0], a[1][0], o) if len(a[1]) == 1 else _refuse(),
         _ops.add.Tensor: lambda s, a, k, o: r.add(s, a[0], a[1], o, k.get("alpha", 1)),
         _ops.add_.Tensor: lambda s, a, k, o: r.add(s, a[0], a[1], o, k.get("alpha", 1)),
-        _ops.mul.Tensor: lambda s, a, k, o: r.scale(s, a[0], a[1], o) if _scalar(a[1]) else _refuse(),
-        _ops.mul_.Tensor: lambda s, a, k, o: r.scale(s, a[0], a[1], o) if _scalar(a[1]) else _refuse(),
+        _ops.mul.Tensor: lambda s, a, k, o: r.elementwise(s, SCALE, a[0], a[1], o) if _scalar(a[1]) else _refuse(),
+        _ops.mul_.Tensor: lambda s, a, k, o: r.elementwise(s, SCALE, a[0], a[1], o) if _scalar(a[1]) else _refuse(),
         _ops.clone.default: lambda s, a, k, o: r.copy(s, a[0], o),
         _ops.contiguous.default: lambda s, a, k, o: r.copy(s, a[0], o),
+        _ops.reshape.default: lambda s, a, k, o: r.copy(s, a[0], o),  # of a non-contiguous view: a copy
         cpu.rms_norm.default: lambda s, a, k, o: r.rms_norm(s, a[0], a[1], a[2], o),
         cpu.rope.default: lambda s, a, k, o: r.rope(s, a[0], a[1], a[2], o),
         cpu.act_mul.default: lambda s, a, k, o: r.act_mul(s, a[0], a[1], o),
@@ -222,7 +226,7 @@ _IN_PLACE = {_ops.add_.Tensor, _ops.mul_.Tensor}
 
 
 def _scalar(x: Any) -> bool:
-    return isinstance(x, (int, float)) or (isinstance(x, Tensor) and x.dim() == 0)
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) or (isinstance(x, Tensor) and x.dim() == 0)
 
 
 def _refuse() -> None:

@@ -120,8 +120,9 @@ def test_the_recorder_treats_views_as_no_work_and_refuses_unknown_ops():
     with cpu_graphs.StepRecorder() as recorder:
         y = x.view(2, 12)[:, :6].t()  # views: no node
         z = y.contiguous()  # a copy
-        z.add_(1.0)  # a Python scalar is not a tensor: refused
-    assert recorder.code[0][0] == cpu_graphs.COPY and len(recorder.code) == 1
+        z.add_(1.0)  # x + c
+        z.add_(z, alpha=2.0)  # x + 2 y: refused
+    assert [node[0] for node in recorder.code] == [cpu_graphs.COPY, cpu_graphs.SHIFT]
     assert recorder.refused is not None and "aten.add_" in recorder.refused
     with cpu_graphs.StepRecorder() as recorder:
         torch.tanh(x)
