@@ -25,7 +25,10 @@ from tests.helpers import wait_for
 from tests.server_fixtures import TINY_ENGINE, default_model_dir, start_server, tiny_model_dir  # noqa: F401
 
 READ_TIMEOUT = 2.0  # the deadline of the module's server, seconds
-PACE = 0.5  # a slow client's seconds between two pieces of its request
+# a slow client's seconds between two pieces of its request: not a divisor of READ_TIMEOUT, so that no piece is
+# sent at the deadline itself (a piece that meets the server's close makes the kernel answer with a reset, which can
+# discard the 408 before the client reads it)
+PACE = 0.3
 MESSAGES = [{"role": "user", "content": "Tell me a story about a pagoda."}]
 
 
