@@ -26,6 +26,7 @@ BENCHMARKS = {
     "router-read": "pagoda.bench.router_read",
     "invariance": "pagoda.bench.invariance",
     "answers": "pagoda.bench.answers",
+    "eval": "pagoda.bench.eval",
 }
 
 

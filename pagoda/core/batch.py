@@ -6,7 +6,9 @@ whose KV is not yet cached). A decode is a chunk of one token; a prefill or a
 recompute after preemption is a longer chunk, possibly one of several. A
 chunk that samples may carry draft tokens after its own (core/speculative.py):
 the runner computes them in the rows that follow and returns a logits row for
-the chunk's last token and for each draft.
+the chunk's last token and for each draft. A chunk of a request that asked for
+prompt logprobs also gets the logits of its prompt rows (`num_prompt_rows`),
+just before those: every chunk's logits rows are the last rows it computes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ScheduledChunk:
     num_tokens: int  # new tokens computed this step (>= 1)
     block_table: tuple[int, ...]  # the request's blocks, covering start + num_rows slots
     draft_token_ids: tuple[int, ...] = ()  # proposed tokens after the request's last one, to verify
+    num_prompt_rows: int = 0  # rows from `start` whose logits score the next prompt token (prompt logprobs)
 
     @property
     def end(self) -> int:
@@ -36,9 +39,14 @@ class ScheduledChunk:
         return self.num_tokens + len(self.draft_token_ids)
 
     @property
-    def num_logits_rows(self) -> int:
-        """Logits rows a sampling chunk gets: its last token's, then one per draft."""
+    def num_sample_rows(self) -> int:
+        """Logits rows a sampling chunk samples from: its last token's, then one per draft."""
         return 1 + len(self.draft_token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows the runner returns for the chunk, its last rows: its prompt rows, then its sample rows."""
+        return self.num_prompt_rows + (self.num_sample_rows if self.samples else 0)
 
     @property
     def token_ids(self) -> list[int]:
@@ -69,6 +77,11 @@ class SchedulerOutput:
         return [c for c in self.chunks if c.samples]
 
     @cached_property
+    def logits_chunks(self) -> list[ScheduledChunk]:
+        """The chunks the runner returns logits rows for (`num_logits_rows` each), in its order."""
+        return [c for c in self.chunks if c.num_logits_rows]
+
+    @cached_property
     def num_draft_tokens(self) -> int:
         return sum(len(c.draft_token_ids) for c in self.chunks)
 
@@ -79,8 +92,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    # float32 tensor [sum of num_logits_rows over batch.sample_chunks, vocab_size]: the logits at the
-    # last position of every chunk that samples, then at each of its drafts, in `sample_chunks` order.
+    # float32 tensor [sum of num_logits_rows over batch.logits_chunks, vocab_size], in that order: per chunk,
+    # the logits at each of its prompt rows, then at its last position when it samples, then at each draft.
     logits: Any
 
 

@@ -21,7 +21,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.grammar import CompileQueue, Grammars
 from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.core.request import FinishReason, Request, RequestStatus
-from pagoda.core.sampler import Sampler, StepLogits
+from pagoda.core.sampler import Sampler, StepLogits, score_row
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.scheduling import SchedulingPolicy, make_policy
@@ -103,6 +103,8 @@ class Engine:
             priority=priority,
             weight=weight,
         )
+        if sampling_params.prompt_logprobs is not None:  # the first prompt token has nothing before it to score it
+            request.prompt_logprobs = [SampledToken(prompt_token_ids[0])] + [None] * (request.num_prompt_tokens - 1)
         self._admit(request)
         if self.tokenizer is not None:
             request.text_stream = self.tokenizer.text_stream(sampling_params.stop)
@@ -198,20 +200,33 @@ class Engine:
             chunk.request.scheduled_time = chunk.request.scheduled_time or started
 
     def _collect(self, batch: SchedulerOutput, logits: Any) -> list[AnswerDelta]:
-        # logits: [rows, V]: per chunk that reaches its request's end, its last token's row and one per draft.
-        # A failure in one request's own work (its sampling, logits processing, detokenizing) fails it alone.
+        # logits: [rows, V]: per chunk, its prompt rows (prompt logprobs), then, when it reaches its request's end,
+        # its last token's row and one per draft (core/batch.py). A failure in one request's own work (its
+        # sampling, logits processing, detokenizing) fails it alone.
         # the rows come off a GPU with one wait for the whole step, not one per row (core/sampler.py)
-        chunks = batch.sample_chunks
-        step = StepLogits(logits, [c.request for c in chunks for _ in range(c.num_logits_rows)])
+        chunks = batch.logits_chunks
+        step = StepLogits(logits, [r for c in chunks for r in [None] * c.num_prompt_rows
+                                   + [c.request] * (c.num_logits_rows - c.num_prompt_rows)])
         outputs, row = [], 0
         for chunk in chunks:
-            rows, row = range(row, row + chunk.num_logits_rows), row + chunk.num_logits_rows
+            prompt_end, row_end = row + chunk.num_prompt_rows, row + chunk.num_logits_rows
             try:
-                outputs.append(self._take(chunk, step, rows))
+                self._score_prompt(chunk, step, range(row, prompt_end))
+                if chunk.samples:
+                    outputs.append(self._take(chunk, step, range(prompt_end, row_end)))
             except Exception as exc:
                 logger.exception("request %s failed in sampling; failing it alone", chunk.request.request_id)
                 outputs.append(self._fail_request(chunk.request, exc))
+            row = row_end
         return outputs
+
+    def _score_prompt(self, chunk: ScheduledChunk, step: StepLogits, rows: range) -> None:
+        """Prompt logprobs: the row at position p scores prompt token p + 1 (a recomputed row scores it again,
+        with the same bits: a row's logits do not depend on the batch)."""
+        request = chunk.request
+        k, prompt = request.sampling_params.prompt_logprobs, request.prompt_token_ids
+        for position, i in enumerate(rows, start=chunk.start):
+            request.prompt_logprobs[position + 1] = score_row(step.row(i), prompt[position + 1], k)
 
     def _take(self, chunk: ScheduledChunk, step: StepLogits, rows: range) -> AnswerDelta:
         """Sample the chunk's rows (1 + drafts of the step's logits) in order, keeping its drafts while they equal
@@ -221,6 +236,10 @@ class Engine:
         next row is sampled; a draft equal to the token sampled at its place is computed KV, which this phase
         alone counts (core/speculative.py). The token after the last kept draft comes free."""
         request, tokens, text = chunk.request, [], ""
+        prompt_logprobs = request.prompt_logprobs if request.scores_prompt else None  # with the first output
+        if request.sampling_params.max_tokens == 0:  # the prompt scored, nothing to generate
+            text = self._finish(request, FinishReason.LENGTH)
+            return AnswerDelta.of(request, [], text, prompt_logprobs=prompt_logprobs)
         drafts = chunk.draft_token_ids
         for j, i in enumerate(rows):
             token_id = step.greedy[i]  # decided on the GPU for a plain greedy row, else sampled here
@@ -233,7 +252,8 @@ class Engine:
         if self.spec_counters.count(chunk, tokens) and not request.is_finished:
             self.scheduler.trim(request)  # the blocks only its rejected drafts used return
         logprobs = tokens if request.sampling_params.logprobs is not None else []
-        return AnswerDelta.of(request, [t.token_id for t in tokens], text, logprobs=logprobs)
+        return AnswerDelta.of(request, [t.token_id for t in tokens], text, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
     def _append(self, request: Request, token: SampledToken) -> str:
         """Append one sampled token and return its text; finishes the request if it stops here."""

@@ -13,6 +13,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # of the chosen token under the model's distribution
     top_logprobs: tuple[tuple[int, float], ...] | None = None  # the k most likely tokens
+    rank: int | None = None  # a prompt token's place in its position's distribution (1 = the most likely)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class AnswerDelta:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[SampledToken] = field(default_factory=list)  # for new_token_ids, when asked
+    # with the first output of a request that asked for prompt logprobs: one entry per prompt token, the first
+    # with no logprob (nothing comes before it)
+    prompt_logprobs: list[SampledToken] | None = None
     error: str | None = None
     times: RequestTimes | None = None  # on a request's last output only
 

@@ -63,6 +63,9 @@ class Request:
     # Opaque per-request grammar matcher (core/grammar.py) for a constrained request, set at admission.
     # Its state is the output tokens accepted so far, which preemption keeps: it needs no rollback.
     grammar: Any = None
+    # Prompt logprobs (sampling_params.prompt_logprobs): position i's entry scores prompt token i (the first has no
+    # logprob), filled in as the prefill's chunks compute them and reported with the first output.
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,6 +97,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
+    def scores_prompt(self) -> bool:
+        """True while the request's prompt logprobs are still to come: asked for, and nothing sampled yet."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def max_kv_tokens(self) -> int:
-        """KV slots the request can ever hold: its last sampled token is never computed."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens - 1
+        """KV slots the request can ever hold: its last sampled token is never computed (max_tokens 0: the prompt)."""
+        return self.num_prompt_tokens + max(self.sampling_params.max_tokens, 1) - 1

@@ -43,9 +43,9 @@ class StepLogits:
     """One step's logits rows [R, V] as sampling reads them, taken from a GPU with one wait (the design note).
 
     `greedy[i]` is row i's token where its request is plain greedy and the rows are on a GPU (None elsewhere);
-    `row(i)` is row i on the host."""
+    `row(i)` is row i on the host. A row whose request is None is read whole (a prompt row: `score_row`)."""
 
-    def __init__(self, logits: torch.Tensor, requests: list[Request]) -> None:
+    def __init__(self, logits: torch.Tensor, requests: list[Request | None]) -> None:
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         self.greedy: list[int | None] = [None] * len(requests)
         self._rows, self._index = logits, None  # CPU: every row as it is
@@ -53,7 +53,7 @@ class StepLogits:
             return
         plain, others = [], []
         for i, request in enumerate(requests):
-            (plain if _plain_greedy(request) else others).append(i)
+            (plain if request is not None and _plain_greedy(request) else others).append(i)
         if plain:  # one argmax and one copy for every plain greedy row [len(plain)]
             ids = (logits if not others else logits[plain]).argmax(dim=-1)
             for i, token_id in zip(plain, ids.tolist()):
@@ -109,11 +109,24 @@ class Sampler:
             request.grammar.accept(token_id)
         if logprobs is None:
             return SampledToken(token_id)
-        top = ()
-        if params.logprobs:
-            values, ids = torch.topk(logprobs, params.logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        return SampledToken(token_id, float(logprobs[token_id]), top)
+        return SampledToken(token_id, float(logprobs[token_id]), _top(logprobs, params.logprobs))
+
+
+def score_row(row: torch.Tensor, token_id: int, k: int) -> SampledToken:
+    """How the model's own distribution at one position [vocab] scores the token that came next: its logprob, its
+    rank (1 = the most likely) and the k most likely tokens. Reads the row alone, as sampling does."""
+    logprobs = torch.log_softmax(row, dim=-1)
+    logprob = logprobs[token_id]
+    rank = int((logprobs > logprob).sum()) + 1
+    return SampledToken(token_id, float(logprob), _top(logprobs, k), rank=rank)
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely (token id, logprob) pairs of a row, most likely first."""
+    if not k:
+        return ()
+    values, ids = torch.topk(logprobs, k)
+    return tuple(zip(ids.tolist(), values.tolist()))
 
 
 def _plain_greedy(request: Request) -> bool:

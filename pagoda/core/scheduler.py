@@ -63,7 +63,11 @@ class KVCacheExhausted(AdmissionError):
 
 
 class ContextLengthExceeded(AdmissionError):
-    """Prompt + max_tokens is longer than the model's context."""
+    """Prompt + max_tokens is longer than the model's context; `field` names the one to shorten."""
+
+    def __init__(self, message: str, field: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class QueueFull(RuntimeError):
@@ -93,7 +97,8 @@ class Scheduler:
         if total > self.config.max_model_len:
             raise ContextLengthExceeded(
                 f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.sampling_params.max_tokens})"
-                f" = {total} exceeds the model's context of {self.config.max_model_len} tokens"
+                f" = {total} exceeds the model's context of {self.config.max_model_len} tokens",
+                "prompt" if request.num_prompt_tokens >= self.config.max_model_len else "max_tokens",
             )
         need = self.block_manager.blocks_for(request.max_kv_tokens)
         if need > self.block_manager.num_blocks:
@@ -165,7 +170,9 @@ class Scheduler:
             if request is None:
                 break
             assert request.num_computed_tokens == 0, f"waiting request {request.request_id!r} has computed tokens"
-            hits = bm.cached_prefix(request)  # never covers the last token: num_new >= 1
+            # never covers the last token: num_new >= 1. A request scoring its prompt computes every position: the
+            # cache holds KV, not the logits its prompt logprobs need.
+            hits = bm.cached_prefix(request) if not request.scores_prompt else []
             num_cached = len(hits) * bm.block_size
             num_new = policy.grant(request, request.num_tokens - num_cached, budget)
             if num_new == 0:  # no tokens for it this step: admitting it would run a chunk of nothing
@@ -207,7 +214,7 @@ class Scheduler:
         self.block_manager.trim(request.request_id, request.num_computed_tokens)
 
     def _count_prefix_hit(self, request: Request, num_cached: int) -> None:
-        if not self.block_manager.enable_prefix_caching:
+        if not self.block_manager.enable_prefix_caching or request.scores_prompt:  # not looked up
             return
         self.num_prefix_queried_tokens += request.num_tokens
         self.num_prefix_hit_tokens += num_cached
@@ -217,7 +224,10 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int, hits: Sequence[int] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         table = self.block_manager.allocate(request.request_id, start + num_new, hits)
-        return ScheduledChunk(request=request, start=start, num_tokens=num_new, block_table=tuple(table))
+        # a scoring request's rows up to its prompt's last (whose logits sample) score the prompt token after each
+        prompt_rows = min(start + num_new, request.num_prompt_tokens - 1) - start if request.scores_prompt else 0
+        return ScheduledChunk(request=request, start=start, num_tokens=num_new, block_table=tuple(table),
+                              num_prompt_rows=max(prompt_rows, 0))
 
     def _preempt(self, request: Request) -> None:
         _remove_identical(self.running, request)

@@ -174,6 +174,7 @@ class Answer:
     num_output_tokens: int
     logprobs: list[SampledToken] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage's cached tokens)
+    prompt_logprobs: list[SampledToken] | None = None  # one per prompt token, when asked (AnswerDelta's)
 
     @classmethod
     def from_deltas(cls, deltas: Sequence[AnswerDelta]) -> Answer:
@@ -189,6 +190,7 @@ class Answer:
             num_output_tokens=last.num_output_tokens,
             logprobs=[lp for d in deltas for lp in d.logprobs],
             num_cached_tokens=last.num_cached_tokens,
+            prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
         )
 
 

@@ -61,8 +61,10 @@ class RequestLimits:
             raise ValueError(f"stop may hold at most {self.max_stop} strings, got {len(params.stop)}")
         if any(len(s) > self.max_stop_length for s in params.stop):
             raise ValueError(f"stop strings may be at most {self.max_stop_length} characters long")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs may be at most {self.max_logprobs}, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} may be at most {self.max_logprobs}, got {k}")
         if self.max_tokens is not None and params.max_tokens > self.max_tokens:
             raise ValueError(f"max_tokens may be at most {self.max_tokens}, got {params.max_tokens}")
 

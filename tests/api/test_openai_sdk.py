@@ -155,6 +155,55 @@ def test_completions_logprobs(client, tiny_server):
         assert chosen == pytest.approx(max(top.values()))
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt_unary_stream_and_alone(client, tiny_server):
+    """echo + logprobs: the prompt's tokens and logprobs (the first null), then the answer's, as the SDK reads them;
+    the stream sends the echoed prompt first; max_tokens 0 scores the prompt alone, with the same values."""
+    kw = dict(model=tiny_server.model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    ids = tiny_server.async_engine.engine.tokenizer.encode(PROMPT)
+    reply = client.completions.create(**kw)
+    choice, lp = reply.choices[0], reply.choices[0].logprobs
+    assert choice.text.startswith(PROMPT) and reply.usage.completion_tokens == 4
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[len(ids)] == len(PROMPT)  # the answer's offsets count from the echoed prompt's end
+    assert all(chosen <= max(top.values()) for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    answer = client.completions.create(**{**kw, "echo": False}).choices[0]
+    assert choice.text == PROMPT + answer.text and lp.token_logprobs[len(ids):] == answer.logprobs.token_logprobs
+
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].text == PROMPT and len(chunks[0].choices[0].logprobs.tokens) == len(ids)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+    scored = client.completions.create(**{**kw, "max_tokens": 0}).choices[0]
+    assert scored.text == PROMPT and scored.finish_reason == "length"
+    assert scored.logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+
+
+def test_prompt_logprobs_on_completions_and_chat(client, tiny_server):
+    """vLLM's `prompt_logprobs`: per prompt token its own logprob and rank and the top N, by token id."""
+    ids = tiny_server.async_engine.engine.tokenizer.encode(PROMPT)
+    reply = client.completions.create(model=tiny_server.model_name, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      logprobs=1, echo=True, extra_body={"prompt_logprobs": 3})
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    echoed = reply.choices[0].logprobs.token_logprobs
+    for position, entry in enumerate(entries[1:], start=1):
+        own = entry[str(ids[position])]
+        assert own["logprob"] == echoed[position] and own["rank"] >= 1
+        assert 3 <= len(entry) <= 4 and sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
+    chat = client.chat.completions.create(model=tiny_server.model_name, messages=MESSAGES, max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == chat.usage.prompt_tokens and entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
+    chunks = list(client.chat.completions.create(model=tiny_server.model_name, messages=MESSAGES, max_tokens=2,
+                                                 temperature=0, stream=True, extra_body={"prompt_logprobs": 0}))
+    streamed = [c.model_extra["prompt_logprobs"] for c in chunks if c.model_extra.get("prompt_logprobs")]
+    assert streamed == [entries]
+
+
 def test_omitted_max_tokens_fills_the_context(client, tiny_server):
     context = tiny_server.async_engine.engine.config.max_model_len
     prompt = [(7 * i) % 1000 + 100 for i in range(context - 20)]
@@ -221,6 +270,11 @@ def test_responses_instructions_and_extension_fields(client, tiny_server):
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "max_tokens": 100_000}, "max_tokens"),
     ("/v1/completions", {"model": "m", "prompt": [[1, 2], []]}, "prompt"),
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens"),
+    ("/v1/completions", {"model": "m", "prompt": [5] * 5000, "max_tokens": 0, "echo": True, "logprobs": 1}, "prompt"),
+    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "top_k": -5}, "top_k"),
     ("/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/responses", {"model": "m", "input": "x", "top_logprobs": 99}, "top_logprobs"),

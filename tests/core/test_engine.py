@@ -212,3 +212,53 @@ def test_token_ids_in_the_params_must_be_in_the_vocabulary():
     with pytest.raises(ValueError, match="stop_token_ids"):
         engine.add_request("a", [1], SamplingParams(stop_token_ids=(10_000,)))
     assert not engine.requests
+
+
+SCORE = SamplingParams(max_tokens=0, prompt_logprobs=2)
+
+
+def test_prompt_logprobs_score_every_position_whatever_the_chunks():
+    """Prompt token i is scored by the row at position i - 1: the same entries whole or in chunks of 3 tokens; the
+    first has no logprob; max_tokens 0 generates nothing, and the pool comes back whole."""
+    prompt = [5, 9, 2, 33, 7, 7, 41, 18, 3, 60, 12]
+    scored = {}
+    for budget in (64, 3):
+        engine = fake_engine(max_batched_tokens=budget)
+        engine.add_request("s", prompt, SCORE)
+        (out,) = drain(engine)["s"]
+        assert out.finished and out.finish_reason is FinishReason.LENGTH and out.new_token_ids == []
+        assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+        assert engine.stats()["generated_tokens_total"] == 0
+        scored[budget] = out.prompt_logprobs
+    entries = scored[64]
+    assert [t.token_id for t in entries] == prompt and entries[0].logprob is None
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 and t.rank >= 1 for t in entries[1:])
+    assert all(t.rank == 1 or t.logprob < t.top_logprobs[0][1] for t in entries[1:])
+    assert scored[3] == entries, "chunking changed the prompt logprobs"
+
+
+def test_prompt_logprobs_come_with_the_first_output_and_skip_the_prefix_cache():
+    engine = fake_engine(num_blocks=16, block_size=4)
+    system = list(range(1, 13))  # three full blocks
+    engine.add_request("writer", system + [20], GREEDY)
+    drain(engine)
+    engine.add_request("reader", system + [20], GREEDY)  # the cache holds the prefix ...
+    engine.add_request("scorer", system + [20], SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0))
+    outs = drain(engine)
+    assert outs["reader"][-1].num_cached_tokens == 12
+    assert outs["scorer"][-1].num_cached_tokens == 0  # ... which a scoring request does not read
+    firsts = [o for o in outs["scorer"] if o.prompt_logprobs is not None]
+    assert len(firsts) == 1 and firsts[0] is outs["scorer"][0] and firsts[0].new_token_ids
+    assert len(firsts[0].prompt_logprobs) == 13 and all(t.top_logprobs == () for t in firsts[0].prompt_logprobs[1:])
+    assert tokens(outs["scorer"]) == tokens(outs["reader"])
+    alone = fake_engine(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    alone.add_request("scorer", system + [20], SCORE)
+    assert [t.logprob for t in drain(alone)["scorer"][0].prompt_logprobs] == \
+        [t.logprob for t in firsts[0].prompt_logprobs]
+
+
+def test_max_tokens_zero_needs_prompt_logprobs():
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
+        SamplingParams(prompt_logprobs=21)

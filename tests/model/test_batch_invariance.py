@@ -1,5 +1,8 @@
 """A request's tokens do not depend on what else runs: alone, in a crowd, or preempted and recomputed.
 
+Nor do its prompt logprobs: the greedy target asks for them, so every comparison covers its prompt rows too
+(chunked differently in the crowd, recomputed after preemption, with the LM head over other row counts).
+
 Through the real Engine, TorchModelRunner and default CPU kernels, on the tiny
 random model and on the default model. Greedy and seeded sampling both; any
 difference in the logits' bits can flip a sample, so equality of whole token
@@ -23,7 +26,7 @@ from pagoda.model.quantize import has_int_kernels
 from pagoda.model.runner import TorchModelRunner
 from tests.model_fixtures import default_model_dir  # noqa: F401  (session fixture)
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=5)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
 
 
@@ -44,9 +47,11 @@ class RecordingRunner:
         before = getattr(graphs, "replays", 0)
         out = self.inner.execute(batch)
         self.replays += getattr(graphs, "replays", 0) - before
-        rows = iter(out.logits)  # per sampling chunk: its last token's row, then one per draft
-        for chunk in batch.sample_chunks:
-            for end in range(chunk.end, chunk.end + chunk.num_logits_rows):
+        rows = iter(out.logits)  # per chunk: its prompt rows, then its last token's row and one per draft
+        for chunk in batch.logits_chunks:
+            for _ in range(chunk.num_prompt_rows):  # prompt logprobs: compared as the engine reports them
+                next(rows)
+            for end in range(chunk.end, chunk.end + chunk.num_logits_rows - chunk.num_prompt_rows):
                 # a row after a rejected draft is recorded too, and overwritten when that position is computed
                 self.rows[(chunk.request.request_id, end)] = next(rows).clone()
         return out
@@ -91,10 +96,13 @@ def assert_same_logits(engine, alone_rows, rid):
 def check_invariance(model, targets, *, tight_blocks, ranks=None):
     """targets: [(rid, prompt, params)]. Alone == in a crowd == preempted and recomputed."""
     vocab = model.config.vocab_size
-    alone, alone_rows = {}, {}
+    alone, alone_rows, alone_prompt = {}, {}, {}
     for rid, p, s in targets:
-        tokens, _, engine = run(model, [(rid, p, s)], ranks=ranks)
+        tokens, requests, engine = run(model, [(rid, p, s)], ranks=ranks)
         alone[rid] = tokens[rid]
+        alone_prompt[rid] = requests[rid].prompt_logprobs
+        assert (s.prompt_logprobs is None) == (alone_prompt[rid] == [])
+        assert all(t is not None for t in alone_prompt[rid]), "a prompt position was never scored"
         alone_rows.update(engine.runner.rows)
         assert len(alone[rid]) == 24
         # speculation is on by default: the proofs below cover accepted and rejected drafts (drafts ride in
@@ -106,12 +114,13 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None):
     # into chunks, so the targets' rows meet every batch size and row position.
     others = crowd(vocab)
     jobs = others[:4] + list(targets) + others[4:]
-    in_crowd, _, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks)
+    in_crowd, requests, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks)
     assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
     if engine.runner.inner.graphs is not None:  # step graphs: the crowd's decode steps were replays
         assert engine.runner.replays > 0
     for rid in alone:
         assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
+        assert requests[rid].prompt_logprobs == alone_prompt[rid], f"{rid}'s prompt logprobs changed in a crowd"
         assert_same_logits(engine, alone_rows, rid)
 
     # Preempted: a pool that holds every prompt but not every output; the target arrives
@@ -124,6 +133,7 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None):
         assert engine.stats()["preemptions_total"] > 0
         assert requests[rid].num_preemptions > 0, f"{rid} was never preempted: the test proved nothing"
         assert preempted[rid] == alone[rid], f"{rid} changed after preemption and recompute"
+        assert requests[rid].prompt_logprobs == alone_prompt[rid], f"{rid}'s prompt logprobs changed after preemption"
         assert_same_logits(engine, alone_rows, rid)
 
 

@@ -104,6 +104,55 @@ def test_chat_prompts_greedy_match_transformers_for_32_tokens(hf_model, pagoda_e
         assert (logits - theirs).abs().max().item() <= LOGITS_ATOL
 
 
+PROMPT_LOGPROBS_ATOL = 1e-4  # both float32; measured 2.9e-5 at most on the prompts below
+
+
+def pagoda_prompt_logprobs(engine, prompts, k):
+    """Each prompt's prompt logprobs through the engine, scored together (max_tokens 0)."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"score{i}", ids, SamplingParams(max_tokens=0, prompt_logprobs=k))
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None and o.new_token_ids == [], o
+            out[o.request_id] = o.prompt_logprobs
+    engine.audit()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [out[f"score{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("max_batched_tokens, cached", [(256, False), (256, True), (7, False), (7, True)],
+                         ids=["whole", "whole-cached", "chunked", "chunked-cached"])
+def test_prompt_logprobs_match_transformers(hf_model, default_model_dir, default_tokenizer,  # noqa: F811
+                                            max_batched_tokens, cached):
+    """Every position's logprob of the next prompt token and its top 3 equal transformers' log_softmax over the same
+    prompt, in chunks of 7 tokens or whole; `cached`: the prompts' blocks are in the prefix cache first (a request
+    that reads it proves it), and scoring still computes every position."""
+    model, _ = load_model(default_model_dir, "float32", "cpu", max_positions=1024, quantization="none")
+    config = EngineConfig(num_blocks=256, block_size=16, max_running=8, max_batched_tokens=max_batched_tokens,
+                          max_model_len=1024)
+    engine = make_engine(model, config, eos_token_ids=(2,))
+    prompts = [default_tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    prompts.append(default_tokenizer.encode(" ".join(PROMPTS)))  # a plain text, several blocks long
+    if cached:
+        pagoda_greedy(engine, prompts, 1)
+        reader = engine.add_request("reader", prompts[0], SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished():
+            engine.step()
+        assert reader.num_cached_tokens >= 32, "the prefix cache held nothing: the test proved less"
+    for ids, ours in zip(prompts, pagoda_prompt_logprobs(engine, prompts, 3)):
+        with torch.no_grad():
+            theirs = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)  # [T, V]
+        assert [t.token_id for t in ours] == ids and ours[0].logprob is None
+        for position, entry in enumerate(ours[1:], start=1):
+            row = theirs[position - 1]
+            assert abs(entry.logprob - row[ids[position]].item()) <= PROMPT_LOGPROBS_ATOL, position
+            assert len(entry.top_logprobs) == 3
+            for token_id, logprob in entry.top_logprobs:
+                assert abs(logprob - row[token_id].item()) <= PROMPT_LOGPROBS_ATOL, (position, token_id)
+            assert row.topk(3).values[-1].item() <= entry.top_logprobs[-1][1] + PROMPT_LOGPROBS_ATOL  # truly the top
+
+
 def test_generate_command_answers_paris(default_model_dir, monkeypatch, capsys):  # noqa: F811
     from pagoda.cli.main import main
 

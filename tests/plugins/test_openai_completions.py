@@ -38,7 +38,7 @@ def test_no_max_tokens_is_what_fits():
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"echo": True, "max_tokens": 0}, "max_tokens"),
     ({"prompt": [[1], []]}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt"), ({"prompt": []}, "prompt"),
     ({"prompt": [[1, 2], "a"]}, "prompt"), ({"prompt": ["a", [1, 2]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
     ({"n": 129}, "n"), ({"prompt": ["a"] * 65, "n": 2}, "n"), ({"n": 2, "seed": 2**64 - 1}, "seed"),
@@ -103,3 +103,27 @@ def test_the_client_half_reads_what_the_server_half_renders():
     unary = read_unary(ENDPOINT, ENDPOINT.render(call, completion(call, ["Hel", "lo"])))
     for answer in (streamed, unary):
         assert (answer.text, answer.finish_reason, answer.prompt_tokens, answer.output_tokens) == ("Hello", "length", 3, 2)
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_ask_the_engine_to_score_the_prompt():
+    def scored(**fields):
+        return prepared(ENDPOINT, body(**fields)).request.sampling_params.prompt_logprobs
+
+    assert scored() is None and scored(echo=True) is None and scored(logprobs=3) is None
+    assert scored(echo=True, logprobs=3) == 3 and scored(prompt_logprobs=0) == 0
+    assert scored(echo=True, logprobs=1, prompt_logprobs=4) == 4  # one list at each position serves both
+    assert prepared(ENDPOINT, body(echo=True, logprobs=1, max_tokens=0)).request.sampling_params.max_tokens == 0
+
+
+def test_max_logprobs_bounds_prompt_logprobs():
+    import dataclasses
+
+    from pagoda.plugins.request_fields import RequestLimits
+
+    strict = dataclasses.replace(context(), limits=RequestLimits(max_logprobs=2))
+    with pytest.raises(RequestError) as info:
+        prepared(ENDPOINT, body(prompt_logprobs=3), strict)
+    assert info.value.param == "prompt_logprobs" and "at most 2" in info.value.message
+    with pytest.raises(RequestError) as info:
+        prepared(ENDPOINT, body(echo=True, logprobs=3), strict)
+    assert info.value.param == "logprobs"

@@ -64,6 +64,7 @@ class ChatRequest(oc.SamplingFields, kw_only=True):
     max_completion_tokens: oc.PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: oc.TopLogprobs | None = None
+    prompt_logprobs: oc.TopLogprobs | None = None  # vLLM's extension: the response's `prompt_logprobs`
     tools: list[ot.ChatTool] | None = None
     tool_choice: ot.ChoiceMode | ot.ChatNamedChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -117,6 +118,7 @@ class ChatCompletions(oc.Choices, Endpoint):
             limits=ctx.limits,
             max_tokens=max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            prompt_logprobs=body.prompt_logprobs,
             constraint=constraint,
             **body.sampling_fields(),
         )
@@ -158,9 +160,15 @@ class ChatCompletions(oc.Choices, Endpoint):
         text_reason = oc.finish_reason(reason)
         return "tool_calls" if called and text_reason == "stop" else text_reason
 
+    def _with_prompt_logprobs(self, exchange: Exchange, body: dict[str, Any], entries) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` beside the choices, when asked."""
+        if exchange.body.prompt_logprobs is not None and entries is not None:
+            body["prompt_logprobs"] = oc.prompt_logprobs(exchange, entries)
+        return body
+
     def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
         message, called = self._message(exchange, answer.text)
-        return {
+        return self._with_prompt_logprobs(exchange, {
             "id": exchange.id,
             "object": "chat.completion",
             "created": exchange.created,
@@ -172,7 +180,7 @@ class ChatCompletions(oc.Choices, Endpoint):
                 "logprobs": self._logprobs(exchange, answer.logprobs),
             }],
             "usage": oc.usage(answer.num_prompt_tokens, answer.num_output_tokens, answer.num_cached_tokens),
-        }
+        }, answer.prompt_logprobs)
 
     async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
         yield Event(self._chunk(exchange, {"role": "assistant", "content": ""}, None))
@@ -180,6 +188,9 @@ class ChatCompletions(oc.Choices, Endpoint):
         last = None
         async for out in deltas:
             last = out
+            if out.prompt_logprobs is not None and exchange.body.prompt_logprobs is not None:  # before the answer
+                yield Event(self._with_prompt_logprobs(exchange, self._chunk(exchange, {"content": ""}, None),
+                                                       out.prompt_logprobs))
             if tools is None:
                 if out.new_text or out.logprobs:
                     yield Event(self._chunk(exchange, {"content": out.new_text}, None,

@@ -23,6 +23,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 TopK = Annotated[int, msgspec.Meta(ge=-1)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -177,7 +178,8 @@ def chat_logprobs(exchange: Exchange, tokens: Sequence[SampledToken]) -> list[di
 
 
 def completion_logprobs(exchange: Exchange, tokens: Sequence[SampledToken], text_offset: int = 0) -> dict[str, Any]:
-    """Legacy completions shape: parallel lists of tokens, logprobs, top alternatives and offsets."""
+    """Legacy completions shape: parallel lists of tokens, logprobs, top alternatives and offsets (a token with no
+    logprob, an echoed prompt's first, has null for both)."""
     texts = [exchange.token_text(t.token_id) for t in tokens]
     offsets = []
     for text in texts:
@@ -185,10 +187,36 @@ def completion_logprobs(exchange: Exchange, tokens: Sequence[SampledToken], text
         text_offset += len(text)
     return {
         "tokens": texts,
-        "token_logprobs": [_finite(t.logprob) for t in tokens],
-        "top_logprobs": [{exchange.token_text(i): _finite(lp) for i, lp in (t.top_logprobs or ())} for t in tokens],
+        "token_logprobs": [None if t.logprob is None else _finite(t.logprob) for t in tokens],
+        "top_logprobs": [None if t.logprob is None else
+                         {exchange.token_text(i): _finite(lp) for i, lp in (t.top_logprobs or ())} for t in tokens],
         "text_offset": offsets,
     }
+
+
+def joined_logprobs(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several legacy logprobs objects as one (an echoed prompt's, then the answer's): their lists end to end."""
+    return {key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                     "text_offset")}
+
+
+def prompt_logprobs(exchange: Exchange, entries: Sequence[SampledToken]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else its own and its position's top k, by
+    token id: `{"logprob", "rank", "decoded_token"}` (rank 1 = the most likely)."""
+    out: list[dict[str, Any] | None] = []
+    for t in entries:
+        if t.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t.token_id): _ranked(exchange, t.token_id, t.logprob, t.rank)}
+        for rank, (i, lp) in enumerate(t.top_logprobs or (), start=1):
+            entry.setdefault(str(i), _ranked(exchange, i, lp, rank))
+        out.append(entry)
+    return out
+
+
+def _ranked(exchange: Exchange, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": exchange.token_text(token_id)}
 
 
 # -- the client half ---------------------------------------------------------------------------

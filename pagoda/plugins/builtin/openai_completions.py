@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagoda.core.outputs import AnswerDelta
+from pagoda.core.outputs import AnswerDelta, SampledToken
 from pagoda.plugins.builtin import openai_common as oc
 from pagoda.plugins.builtin import openai_tools as ot
 from pagoda.plugins.client import ClientRequest
@@ -19,9 +19,10 @@ from pagoda.plugins.route import ServedModel
 class CompletionRequest(oc.SamplingFields, kw_only=True):
     # str, [str], [int] or [[int]]: msgspec cannot tell list types apart in a union, so `prompt_ids` checks it.
     prompt: str | list[Any]
-    max_tokens: oc.PositiveInt | None = None
+    max_tokens: oc.NonNegativeInt | None = None  # 0: score the prompt only (echo with logprobs, or prompt_logprobs)
     logprobs: oc.TopLogprobs | None = None
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt's tokens and logprobs too, before the answer's
+    prompt_logprobs: oc.TopLogprobs | None = None  # vLLM's extension: each choice's `prompt_logprobs`
     best_of: oc.PositiveInt | None = None
     suffix: str | None = None
     # Structured output (extensions, as vLLM names them; at most one): docs/protocols/openai-completions.md
@@ -52,6 +53,12 @@ def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[list[int]]:
                        " not a mix of them", "prompt")
 
 
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """How many alternatives the engine lists at each prompt position: echo's with logprobs, vLLM's field, or both."""
+    asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -69,15 +76,14 @@ class Completions(oc.Choices, Endpoint):
             raise RequestError("best_of must be 1", "best_of")
         if body.suffix:
             raise RequestError("suffix (insertion) is not supported", "suffix")
-        if body.echo and body.logprobs is not None:
-            raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         constraint = ot.guided(body)
         requests = []
         for ids in prompt_ids(body.prompt, ctx):  # one engine request per prompt (and per choice: choices.fan_out)
             params = make_sampling_params(
                 limits=ctx.limits,
-                max_tokens=body.max_tokens or ctx.default_max_tokens(len(ids)),
+                max_tokens=ctx.default_max_tokens(len(ids)) if body.max_tokens is None else body.max_tokens,
                 logprobs=body.logprobs,
+                prompt_logprobs=_prompt_logprobs(body),
                 constraint=constraint,
                 **body.sampling_fields(),
             )
@@ -98,33 +104,49 @@ class Completions(oc.Choices, Endpoint):
             return None
         return oc.completion_logprobs(exchange, tokens, offset)
 
-    def _chunk(self, exchange: Exchange, text: str, finish_reason: str | None, logprobs: Any) -> dict[str, Any]:
+    def _chunk(self, exchange: Exchange, text: str, finish_reason: str | None, logprobs: Any,
+               prompt_logprobs: Sequence[SampledToken] | None = None) -> dict[str, Any]:
+        choice = {"index": exchange.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        if prompt_logprobs is not None and exchange.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = oc.prompt_logprobs(exchange, prompt_logprobs)
         return {
             "id": exchange.id,
             "object": "text_completion",
             "created": exchange.created,
             "model": exchange.model,
-            "choices": [{"index": exchange.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
+            "choices": [choice],
         }
+
+    def _echoed(self, exchange: Exchange, echo: str, prompt_logprobs: Sequence[SampledToken] | None) -> Any:
+        """The echoed prompt's logprobs (legacy shape): asked with echo and logprobs, they come with the answer."""
+        return self._logprobs(exchange, prompt_logprobs or [], 0) if echo else None
 
     def render(self, exchange: Exchange, answer: Answer) -> dict[str, Any]:
         echo = self._echo(exchange)
-        body = self._chunk(exchange, echo + answer.text, oc.finish_reason(answer.finish_reason),
-                           self._logprobs(exchange, answer.logprobs, len(echo)))
+        logprobs = self._logprobs(exchange, answer.logprobs, len(echo))
+        if logprobs is not None and echo:
+            logprobs = oc.joined_logprobs([self._echoed(exchange, echo, answer.prompt_logprobs), logprobs])
+        body = self._chunk(exchange, echo + answer.text, oc.finish_reason(answer.finish_reason), logprobs,
+                           answer.prompt_logprobs)
         body["usage"] = oc.usage(answer.num_prompt_tokens, answer.num_output_tokens,
                                  answer.num_cached_tokens)
         return body
 
     async def render_stream(self, exchange: Exchange, deltas: AsyncIterator[AnswerDelta]) -> AsyncIterator[Event]:
-        offset = 0
         echo = self._echo(exchange)
-        if echo:
+        # the echoed prompt goes first: at once, or with the first output when its logprobs were asked
+        pending = echo if echo and exchange.body.logprobs is not None else ""
+        if echo and not pending:
             yield Event(self._chunk(exchange, echo, None, None))
-            offset = len(echo)
+        offset = len(echo)
         last = None
         async for out in deltas:
             last = out
             reason = oc.finish_reason(out.finish_reason) if out.finished else None
+            if pending or out.prompt_logprobs is not None:
+                yield Event(self._chunk(exchange, pending, None, self._echoed(exchange, pending, out.prompt_logprobs),
+                                        out.prompt_logprobs))
+                pending = ""
             if out.new_text or out.logprobs or reason:
                 yield Event(self._chunk(exchange, out.new_text, reason, self._logprobs(exchange, out.logprobs, offset)))
                 offset += len(out.new_text)
