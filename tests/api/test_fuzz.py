@@ -106,13 +106,20 @@ def mutated(valid: st.SearchStrategy[dict[str, Any]], body_type: type) -> st.Sea
     )
 
 
-def bodies(body_type: type) -> st.SearchStrategy[Any]:
-    """Valid bodies, and mutated ones, about half and half."""
-    valid = from_type(mi.type_info(body_type))
+def bodies(route: str) -> st.SearchStrategy[Any]:
+    """Valid bodies, and mutated ones, about half and half. Half the valid ones carry a well-formed conversation or
+    prompt (CONVERSATION) over the drawn one, so that the fuzzer reaches generation whatever the shapes drawn for
+    the nested messages are refused for."""
+    body_type = ROUTES[route]
+    drawn = from_type(mi.type_info(body_type))
+    valid = st.one_of(drawn, drawn.map(lambda body: {**body, **CONVERSATION[route]}))
     return st.one_of(valid, mutated(valid, body_type))
 
 
-CASES = st.sampled_from(list(ROUTES)).flatmap(lambda route: st.tuples(st.just(route), bodies(ROUTES[route])))
+CONVERSATION = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "The pagoda"}]},
+                "/v1/completions": {"prompt": "The pagoda"}, "/v1/responses": {"input": "The pagoda"},
+                "/v1/messages": {"messages": [{"role": "user", "content": "The pagoda"}]}}
+CASES = st.sampled_from(list(ROUTES)).flatmap(lambda route: st.tuples(st.just(route), bodies(route)))
 
 
 # -- the server and its bystander ---------------------------------------------------------------------
