@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from pagoda.core.machine import cpu_facts
+from pagoda.core.machine import cpu_facts, threads_environ
 from pagoda.bench.serve.server import ROUTER_READY, pagoda_subprocess, serve_command
 from pagoda.bench.serve.workloads import Conversation, conversations
 from pagoda.core.engine_config import EngineConfig
@@ -85,13 +85,13 @@ class LiveFleet:
 @contextlib.contextmanager
 def live_fleet(args: argparse.Namespace, policy: str) -> Iterator[LiveFleet]:
     """N replicas and a router over them, as child processes; all stopped on the way out."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_replica)}
+    env = {**os.environ, **threads_environ(args.threads_per_replica)}  # the count measured, whatever the user's
     with contextlib.ExitStack() as stack:
         replicas = [stack.enter_context(pagoda_subprocess(serve_command(args.model, num_blocks=args.num_blocks),
                                                           args.ready_timeout, env=env))
                     for _ in range(args.replicas)]
-        cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", policy, "--model", args.model,
-               "--log-level", "warning", *(a for url in replicas for a in ("--replica", url))]
+        cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--router-policy", policy,
+               "--model", args.model, "--log-level", "warning", *(a for url in replicas for a in ("--replica", url))]
         router = stack.enter_context(pagoda_subprocess(cmd, args.ready_timeout, ready=ROUTER_READY))
         yield LiveFleet(router, replicas)
 

@@ -7,9 +7,10 @@ it, abbreviations and `=` included), reads each one's ready line for its URL, th
 over those URLs on the user's `--host`/`--port` and, once the router is ready, prints serve's own ready line
 with the router's URL. Everything the children print goes to stderr, each line tagged with its child.
 
-- Threads: torch's intra-op threads of one `pagoda serve` (one per physical core) are split evenly,
-  max(1, threads // N) each, through OMP_NUM_THREADS, unless the user set OMP_NUM_THREADS (then every
-  replica gets theirs). On CUDA each replica gets its own device through CUDA_VISIBLE_DEVICES.
+- Threads: each replica runs on its share of one `pagoda serve`'s torch threads (one per physical core),
+  as pagoda/core/machine.py decides (`threads_per_process(N)`, handed over in the replica's environment
+  by `threads_environ`), unless the user set OMP_NUM_THREADS (then every replica gets theirs). On CUDA
+  each replica gets its own device through CUDA_VISIBLE_DEVICES.
 - Orphans: each child runs in its own process group (a Ctrl-C at the terminal reaches the supervisor only,
   which drains the children in order), and on Linux with PR_SET_PDEATHSIG = SIGKILL, armed by a small
   trampoline (`python -m pagoda.cli.data_parallel PARENT_PID ARGV...`) that then execs `python -m pagoda`:
@@ -41,13 +42,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from pagoda.core.machine import THREADS_ENV, threads_environ, threads_per_process
 from pagoda.core.routing import POLICIES
 from pagoda.router.settings import RouterSettings
 
 logger = logging.getLogger("pagoda.data_parallel")
 
 API_KEY_ENV = "PAGODA_API_KEY"  # as `pagoda serve` and `pagoda router` read it
-THREADS_ENV = "OMP_NUM_THREADS"  # torch's intra-op threads at start-up (a user's value wins)
 DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 REPLICA_HOST = "127.0.0.1"  # replicas listen on loopback only; the router is what the user's --host exposes
 STOP_MARGIN_S = 10.0  # past --shutdown-timeout: a process's exit after its drain (closing pools, the engine)
@@ -95,17 +96,10 @@ def replica_command(command_line: Sequence[str]) -> list[str]:
 def router_command(args: argparse.Namespace, replica_urls: Sequence[str], policy: str) -> list[str]:
     """The router's `pagoda` arguments: the replicas, the policy, and serve's host, port and shared options."""
     keys = ["--api-keys-file", args.api_keys_file] if args.api_keys_file is not None else []
-    return ["router", *(a for url in replica_urls for a in ("--replica", url)), "--policy", policy,
+    return ["router", *(a for url in replica_urls for a in ("--replica", url)), "--router-policy", policy,
             "--host", args.host, "--port", str(args.port), "--model", args.model, "--tool-parser", args.tool_parser,
             "--max-body-bytes", str(args.max_body_bytes), "--shutdown-timeout", str(args.shutdown_timeout),
             "--log-level", args.log_level, *keys]
-
-
-def threads_per_replica(size: int) -> int:
-    """torch's threads for one replica: one `pagoda serve`'s default (one per physical core), split evenly."""
-    import torch  # already loaded: `pagoda` loads it first (pagoda/core/machine.py)
-
-    return max(1, torch.get_num_threads() // size)
 
 
 def replica_devices(device: str, size: int, num_blocks: int | None, environ: Mapping[str, str]) -> list[str] | None:
@@ -133,8 +127,8 @@ def child_environ(environ: Mapping[str, str], threads: int | None, device: str |
                   api_key: str | None) -> dict[str, str]:
     """A child's environment: the user's, with its threads, its device and the key (kept off the command line)."""
     env = dict(environ)
-    if threads is not None and THREADS_ENV not in environ:
-        env[THREADS_ENV] = str(threads)
+    if threads is not None:
+        env.update(threads_environ(threads, environ))
     if device is not None:
         env[DEVICES_ENV] = device
     if api_key is not None:
@@ -183,7 +177,7 @@ class Supervisor:
     command_line: Sequence[str]
     api_key: str | None
     environ: Mapping[str, str]
-    threads: int  # each replica's torch threads, unless the user set OMP_NUM_THREADS
+    threads: int  # each replica's torch threads (pagoda/core/machine.py), unless the user set OMP_NUM_THREADS
     devices: list[str] | None  # each replica's CUDA device; None on the CPU
     children: list[Child] = field(default_factory=list)
     # SimpleQueue: its put() may run in a signal handler (it is reentrant), and its get() takes a timeout
@@ -212,8 +206,8 @@ class Supervisor:
             env = child_environ(self.environ, self.threads, None if self.devices is None else self.devices[i],
                                 self.api_key)
             replicas.append(self._start(f"replica {i}", replica_command(self.command_line), env, SERVE_READY))
-        logger.info("started %d replicas (pids %s), OMP_NUM_THREADS=%s each", len(replicas),
-                    ", ".join(str(r.process.pid) for r in replicas), self.environ.get(THREADS_ENV, self.threads))
+        logger.info("started %d replicas (pids %s), %s torch thread(s) each", len(replicas),
+                    ", ".join(str(r.process.pid) for r in replicas), env[THREADS_ENV])
         status = self._until_ready(replicas)
         if status is not None:
             return status
@@ -340,7 +334,7 @@ def run_data_parallel(args: argparse.Namespace, command_line: Sequence[str] | No
             raise ValueError("--data-parallel-size needs the command line its replicas repeat: run `pagoda serve`")
         environ = dict(os.environ)
         devices = replica_devices(args.device, options.size, args.num_blocks, environ)
-        supervisor = Supervisor(args, options, command_line, api_key, environ, threads_per_replica(options.size),
+        supervisor = Supervisor(args, options, command_line, api_key, environ, threads_per_process(options.size),
                                 devices)
     except ValueError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr)

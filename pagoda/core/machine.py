@@ -1,4 +1,4 @@
-"""The process's CPU set-up, decided here once for every entry point: OpenMP's wait policy and torch's threads.
+"""Every pagoda process's CPU set-up, decided here once: OpenMP's wait policy and torch's threads.
 
 Design note. torch's CPU kernels run on an OpenMP pool (GNU libgomp, which MKL and oneDNN share). Two
 things about it are process-wide and are chosen here, nowhere else:
@@ -13,13 +13,22 @@ things about it are process-wide and are chosen here, nowhere else:
   172-328/250-286/602-773 ms (spin 10000): nothing robustly better. libgomp reads the policy once,
   when it loads with torch, so `prepare_process()` must run before anything imports torch: the
   `pagoda` command does it first, the test suite in its conftest. It sets the variable, loads torch,
-  and puts the environment back as it was, so a child process (a peer server a benchmark starts)
-  inherits the user's environment, not pagoda's. An OMP_WAIT_POLICY the user set wins.
-- The thread count. `configure_threads()` sets torch's intra-op threads once, where an engine is
-  assembled (pagoda/model/factory.py, and `pagoda simulate` for its fake model, whose tensors are so
-  small that one thread is fastest). The switching left inside a step (a small step on one thread but
-  for its linear layers, a small attention on one thread) is the runner's (pagoda/model/runner.py), with
-  the measurement that keeps it.
+  and puts the environment back as it was (`environ_defaults`), so a child process (a peer server a
+  benchmark starts) inherits the user's environment, not pagoda's. A process spawned by
+  multiprocessing loads torch before any pagoda code runs in it (unpickling its arguments), so its
+  parent starts it inside `children_wait_passive()`. An OMP_WAIT_POLICY the user set wins.
+- The thread count, by the kind of process:
+  - a server, the library, a benchmark: `configure_threads()` once, where an engine is assembled
+    (pagoda/model/factory.py): torch's own count, one per physical core (`pagoda simulate` asks for
+    one thread: its fake model's tensors are so small that one thread is fastest);
+  - a tensor-parallel rank (pagoda/model/ranks.py): `threads_per_process(ranks on this machine)`,
+    its even share; rank 0 works out the share of the ranks it spawns and each sets it on itself;
+  - a data-parallel replica (pagoda/cli/data_parallel.py): `threads_per_process(replicas)`, handed to
+    it in its environment (`threads_environ`: OMP_NUM_THREADS, read when torch loads in it), unless the
+    user set OMP_NUM_THREADS, which every replica then gets.
+  The switching left inside a step (a small step on one thread but for its linear layers, a small
+  attention on one thread) is the runner's decision (pagoda/model/runner.py, with the measurement that
+  keeps it), made through `set_threads`.
 
 Library users who import torch first get the spinning default; `configure_threads` says so in the log.
 No torch at import time: this module must load before torch does.
@@ -31,13 +40,15 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 logger = logging.getLogger("pagoda.machine")
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 PASSIVE = "PASSIVE"
+THREADS_ENV = "OMP_NUM_THREADS"  # OpenMP's thread count, read when torch loads: how a child starts on its share
 
 
 @dataclass
@@ -50,6 +61,27 @@ class MachineState:
 STATE = MachineState()
 
 
+@contextmanager
+def environ_defaults(values: Mapping[str, str], environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """For the length of a `with`, each of `values` the user left unset (or empty) set; after, the environment back.
+
+    For a setting read once, when something loads or is made (OpenMP's policy when torch loads, NCCL's blocking
+    wait when a process group is made): set for that moment only, so that the process's children, started later,
+    inherit the user's environment, not pagoda's."""
+    environ = os.environ if environ is None else environ
+    replaced = {name: environ.get(name) for name in values if not environ.get(name)}
+    for name in replaced:
+        environ[name] = values[name]
+    try:
+        yield
+    finally:
+        for name, before in replaced.items():
+            if before is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = before
+
+
 def prepare_process(environ: MutableMapping[str, str] | None = None) -> MachineState:
     """Before torch is imported: load it with OpenMP's waiting threads asleep, then restore the environment."""
     environ = os.environ if environ is None else environ
@@ -58,14 +90,16 @@ def prepare_process(environ: MutableMapping[str, str] | None = None) -> MachineS
             STATE.wait_policy = environ.get(WAIT_POLICY_ENV)  # what torch saw, if the user set it; else unknown
         return STATE
     given = environ.get(WAIT_POLICY_ENV)
-    environ[WAIT_POLICY_ENV] = given or PASSIVE
-    try:
+    with environ_defaults({WAIT_POLICY_ENV: PASSIVE}, environ):
         import torch  # noqa: F401  (libgomp reads the policy now, once)
-    finally:
-        if given is None:
-            del environ[WAIT_POLICY_ENV]
     STATE.wait_policy = given or PASSIVE
     return STATE
+
+
+def children_wait_passive() -> AbstractContextManager[None]:
+    """For the length of a `with`: processes started now (multiprocessing's spawn, which loads torch before any
+    pagoda code runs in the child) get OpenMP's sleeping wait policy, unless the user set one."""
+    return environ_defaults({WAIT_POLICY_ENV: PASSIVE})
 
 
 def configure_threads(threads: int | None = None) -> int:
@@ -80,8 +114,36 @@ def configure_threads(threads: int | None = None) -> int:
     if threads is not None and torch.get_num_threads() != threads:
         if threads < 1:
             raise ValueError(f"threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+        set_threads(threads)
     return torch.get_num_threads()
+
+
+def set_threads(threads: int) -> None:
+    """torch's intra-op threads from now on, where they differ: `configure_threads`' setting, and the runner's
+    switches inside a step, each of which puts the process's count back when its part of the step ends."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def threads_per_process(processes: int) -> int:
+    """Each process's torch threads when `processes` of them split this machine (the tensor-parallel ranks on it,
+    or the data-parallel replicas): this process's count (one per physical core, unless the user chose) split
+    evenly, at least one each."""
+    import torch
+
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    return max(1, torch.get_num_threads() // processes)
+
+
+def threads_environ(threads: int, inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that start a child process on `threads` torch threads (OpenMP reads them when torch loads in
+    it); none when the environment it inherits, `inherited`, names a count already: the user's wins."""
+    if inherited is not None and inherited.get(THREADS_ENV):
+        return {}
+    return {THREADS_ENV: str(threads)}
 
 
 # The x86 ISA extensions that decide which kernels run (/proc/cpuinfo's flag -> the name we print)

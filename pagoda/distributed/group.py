@@ -34,7 +34,6 @@ A failed collective (a rank died, or it did not answer within the group's timeou
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pagoda.core.batch import RunnerLost
+from pagoda.core.machine import environ_defaults
 
 logger = logging.getLogger("pagoda.distributed")
 
@@ -57,6 +57,7 @@ SUM_PARTS_MIN_BYTES = 64 << 10
 # the control group's messages wait (an idle server's workers wait in it): no deadline worth the name.
 FORM_TIMEOUT = timedelta(minutes=10)
 CONTROL_TIMEOUT = timedelta(days=3650)
+BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"  # read by each NCCL process group when it is made
 
 
 class GroupFailure(RunnerLost):
@@ -116,21 +117,23 @@ class TensorGroup:
     def form(cls, backend: str, rank: int, size: int, timeout_s: float, store: Any = None) -> TensorGroup:
         """Join the group as `rank` of `size`: through `store` (rank 0's, on one machine) or the env:// variables
         torchrun sets. Every rank calls this, in the same order."""
-        if backend == "nccl":
-            # the host waits for each NCCL collective, so a timed-out one raises (GroupFailure) instead of NCCL's
-            # watchdog aborting the process; it costs a host sync a collective (docs/distributed.md, "Left")
-            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        # NCCL: the host waits for each collective, so a timed-out one raises (GroupFailure) instead of NCCL's
+        # watchdog aborting the process; it costs a host sync a collective (docs/distributed.md, "Left"). Each
+        # NCCL process group reads the variable when it is made: set while they are (unless the user set it), then
+        # the environment is put back, so a process started later inherits the user's.
+        blocking = {BLOCKING_WAIT_ENV: "1"} if backend == "nccl" else {}
         where = {"store": store} if store is not None else {"init_method": "env://"}
-        dist.init_process_group(backend, rank=rank, world_size=size, timeout=FORM_TIMEOUT, **where)
-        try:
-            compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-            # formed within FORM_TIMEOUT like the rest (gloo connects its peers with the group's timeout), then
-            # without a deadline for its messages
-            control = dist.new_group(backend="gloo", timeout=FORM_TIMEOUT)
-            dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
-        except BaseException:
-            dist.destroy_process_group()
-            raise
+        with environ_defaults(blocking):
+            dist.init_process_group(backend, rank=rank, world_size=size, timeout=FORM_TIMEOUT, **where)
+            try:
+                compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+                # formed within FORM_TIMEOUT like the rest (gloo connects its peers with the group's timeout), then
+                # without a deadline for its messages
+                control = dist.new_group(backend="gloo", timeout=FORM_TIMEOUT)
+                dist.distributed_c10d._set_pg_timeout(CONTROL_TIMEOUT, control)
+            except BaseException:
+                dist.destroy_process_group()
+                raise
         group = cls(rank, size, backend, compute=compute, control=control)
         group.send_timeout = timedelta(seconds=timeout_s)
         return group

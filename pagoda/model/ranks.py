@@ -4,11 +4,14 @@ Two ways to start the ranks, one code path after:
 
 - One machine: `pagoda serve --tensor-parallel-size N` is rank 0 and spawns ranks 1..N-1 itself
   (torch.multiprocessing, spawn). Rank 0 opens the rendezvous (a TCPStore on 127.0.0.1, on a port
-  the kernel picks) and passes its port to the ranks it spawns. Each rank gets an equal share of
-  the machine's cores as torch threads.
+  the kernel picks) and passes its port to the ranks it spawns.
 - Across machines: torchrun starts one `pagoda serve` per rank and sets RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT; the group forms from that environment (`env://`). Rank 0
   serves HTTP; every other rank becomes a worker (`serve_as_worker`).
+
+Either way each rank runs on an equal share of its machine's torch threads, as pagoda/core/machine.py
+decides (`threads_per_process` of the ranks on the machine): rank 0 works it out for the ranks it spawns.
+Rank 0 puts its own count back when its group ends (a library or test process outlives its group).
 
 Every rank then loads its own shard (pagoda/model/shard.py) and the worker ranks loop on
 rank 0's messages: an `EngineConfig` (a runner with a new KV pool: rank 0 sends one whenever it
@@ -99,28 +102,6 @@ def group_size(options: ParallelOptions, environ: dict[str, str] | None = None) 
     return launched.world_size
 
 
-def _threads_per_rank(local_ranks: int) -> int:
-    import torch
-
-    return max(1, torch.get_num_threads() // local_ranks)
-
-
-@contextmanager
-def _children_wait_passive() -> Iterator[None]:
-    """Spawned ranks load torch before any pagoda code runs in them (unpickling their arguments): they get
-    OpenMP's sleeping wait policy from the environment they start with (pagoda/core/machine.py), unless the
-    user set one."""
-    from pagoda.core.machine import PASSIVE, WAIT_POLICY_ENV
-
-    given = os.environ.get(WAIT_POLICY_ENV)
-    os.environ[WAIT_POLICY_ENV] = given or PASSIVE
-    try:
-        yield
-    finally:
-        if given is None:
-            del os.environ[WAIT_POLICY_ENV]
-
-
 def _ignore_stop_signals() -> None:
     """A worker ends when rank 0 says so, not on a signal: a Ctrl-C (sent to the whole process group) or
     torchrun's SIGTERM reaches rank 0 too, which drains, running steps that need every rank, and then ends
@@ -147,13 +128,14 @@ class Ranks:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
+        from pagoda.core.machine import children_wait_passive, configure_threads, threads_per_process
         from pagoda.distributed.group import FORM_TIMEOUT, TensorGroup
 
         backend = options.backend_for(device_type)
         launched = torchrun_rank()
         if launched is not None:
             before = torch.get_num_threads()
-            torch.set_num_threads(_threads_per_rank(launched.local_world_size))
+            configure_threads(threads_per_process(launched.local_world_size))
             if backend == "nccl":
                 torch.cuda.set_device(launched.local_rank)
             return cls(TensorGroup.form(backend, 0, launched.world_size, options.timeout_s), [], before)
@@ -161,18 +143,18 @@ class Ranks:
         if backend == "nccl" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices; torch sees "
                              f"{torch.cuda.device_count()}")
-        threads = _threads_per_rank(size)
+        threads = threads_per_process(size)  # each rank's, this one's too
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=FORM_TIMEOUT, wait_for_workers=False)
         context = mp.get_context("spawn")
         spec = dataclasses.replace(worker, backend=backend, size=size, store_port=store.port, threads=threads,
                                    timeout_s=options.timeout_s, log_level=logging.getLogger().getEffectiveLevel())
         processes = [context.Process(target=spawned_worker, args=(spec, rank), name=f"pagoda-rank-{rank}",
                                      daemon=True) for rank in range(1, size)]
-        with _children_wait_passive():
+        with children_wait_passive():
             for p in processes:
                 p.start()
         before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        configure_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(0)
         ranks = cls(None, processes, before)
@@ -249,7 +231,7 @@ class Ranks:
             self._close(abandon)
 
     def _close(self, abandon: bool) -> None:
-        import torch
+        from pagoda.core.machine import configure_threads
 
         if self._closed.is_set():
             return
@@ -271,7 +253,7 @@ class Ranks:
                 p.kill()
                 p.join()
         if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
+            configure_threads(self._threads_before)
         self._closed.set()
 
 
@@ -305,9 +287,9 @@ class WorkerSpec:
 
 def spawned_worker(spec: WorkerSpec, rank: int) -> None:
     """The entry of a rank rank 0 spawned: join the group through rank 0's store, then work until told to stop."""
-    from pagoda.core.machine import prepare_process
+    from pagoda.core.machine import configure_threads, prepare_process
 
-    prepare_process()  # before torch loads: OpenMP's waiting threads sleep, as in every pagoda process
+    prepare_process()  # as in every pagoda process (torch came with the arguments, under children_wait_passive)
     import torch
     import torch.distributed as dist
 
@@ -315,7 +297,7 @@ def spawned_worker(spec: WorkerSpec, rank: int) -> None:
     from pagoda.distributed.group import FORM_TIMEOUT, TensorGroup
 
     _ignore_stop_signals()
-    torch.set_num_threads(spec.threads)
+    configure_threads(spec.threads)  # rank 0's share for it (Ranks.start)
     if spec.backend == "nccl":
         torch.cuda.set_device(rank)  # one machine: rank r on cuda:r (NCCL's collectives use the current device)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False, timeout=FORM_TIMEOUT)
@@ -332,13 +314,14 @@ def serve_as_worker(model_dir: Path | str, options: Any) -> int | None:
         return None
     import torch
 
+    from pagoda.core.machine import configure_threads, threads_per_process
     from pagoda.distributed.group import TensorGroup
     from pagoda.model.loader import resolve_device
 
     _ignore_stop_signals()
     parallel = options.parallel
     group_size(parallel)  # refuses a --tensor-parallel-size that disagrees with torchrun's world
-    torch.set_num_threads(_threads_per_rank(launched.local_world_size))
+    configure_threads(threads_per_process(launched.local_world_size))
     device = resolve_device(options.device)
     if device.type == "cuda":
         torch.cuda.set_device(launched.local_rank)

@@ -30,8 +30,8 @@ each) when they are big enough to repay the wake-up (a kernel's
 has more than SMALL_ATTENTION score elements, on one thread otherwise (in
 bigger steps too). Thread counts never change a row's bits (the kernel tests
 run the attention at 1 and 4 threads). Measured (float32, 2 threads,
-`pagoda bench step-ab`, two rounds, docs/performance.md "Threads inside a
-step"): against switching both, switching nothing made decode steps of
+`pagoda bench step-ab`, two rounds, docs/performance/2026-12-01-cpu-decode-step.md
+"Threads inside a step"): against switching both, switching nothing made decode steps of
 1/16/64 rows and a 16-prompt prefill 1.48/1.19-1.24/1.14-1.28/1.14-1.35x as
 long; switching only the attention 1.03-1.34/0.95-1.09/1.13-1.25/1.04-1.09x.
 SMALL_ATTENTION (2^21) is about where a step's attention,
@@ -39,7 +39,7 @@ timed alone at the default model's shapes, may begin to gain from a second
 thread: one thread was as fast or faster at every decode point of 1-64
 sequences of 64-4096 tokens but one (64 x 1024, 0.59M score elements: 1.15x
 slower), 170 against 190 ms at 64 x 4096 (2.4M) (`pagoda bench kernels
---threads 1` against `--threads 2`, docs/performance.md).
+--threads 1` against `--threads 2`, docs/performance/2026-12-01-cpu-decode-step.md).
 
 Graphs. On CUDA (`EngineConfig.cuda_graphs`, off by default) a decode-only step of up to 64
 sequences replays a graph captured at start-up for the smallest batch-size bucket that holds it, its
@@ -68,7 +68,7 @@ from torch import Tensor
 
 from pagoda.core.batch import RunnerOutput, SchedulerOutput
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.machine import cpu_facts
+from pagoda.core.machine import cpu_facts, set_threads
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
 from pagoda.model import cpu_graphs, cuda_graphs
@@ -92,7 +92,7 @@ class StepPlan:
     seq_lens: list[int]  # tokens in the cache after the step, per chunk
     block_tables: list[tuple[int, ...]]
     token_ids: list[int]  # every chunk's rows, concatenated
-    logits_rows: list[int]  # rows of logits each chunk wants (0: a chunk that does not sample)
+    logits_rows: list[int]  # logits rows each chunk wants, its last rows (0: none; core/batch.py)
 
     @classmethod
     def of(cls, batch: SchedulerOutput) -> StepPlan:
@@ -100,7 +100,7 @@ class StepPlan:
         return cls(query_lens=[c.num_rows for c in chunks], seq_lens=[c.start + c.num_rows for c in chunks],
                    block_tables=[c.block_table for c in chunks],
                    token_ids=list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                   logits_rows=[c.num_logits_rows if c.samples else 0 for c in chunks])
+                   logits_rows=[c.num_logits_rows for c in chunks])
 
 
 @dataclass
@@ -267,11 +267,6 @@ class TensorParallelRunner(TorchModelRunner):
         self.ranks.close(abandon=self._in_step)
 
 
-def _set_threads(n: int) -> None:
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-
-
 @dataclass(frozen=True)
 class StepThreads:
     """A CPU step's threads: the step on `narrow`, its linear layers on `full` (the design note).
@@ -286,20 +281,20 @@ class StepThreads:
     @contextmanager
     def step(self) -> Iterator[None]:
         """The forward on `narrow` threads; the process's count (`full`) after."""
-        _set_threads(self.narrow)
+        set_threads(self.narrow)
         try:
             yield
         finally:
-            _set_threads(self.full)
+            set_threads(self.full)
 
     def linear(self, layer: torch.nn.Module, x: Tensor) -> Tensor:
         if self.narrow == self.full or x.shape[0] * layer.in_features * layer.out_features < self.min_parallel_work:
             return layer(x)
-        _set_threads(self.full)
+        set_threads(self.full)
         try:
             return layer(x)
         finally:
-            _set_threads(self.narrow)
+            set_threads(self.narrow)
 
 
 class AttentionOn:
@@ -315,11 +310,11 @@ class AttentionOn:
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
                   **options: Any) -> Tensor:
         # options: the layer's sliding_window and softcap, passed through as the layer gave them
-        _set_threads(self.threads)
+        set_threads(self.threads)
         try:
             return self.backend.attention(q, k_cache, v_cache, meta, scale, **options)
         finally:
-            _set_threads(self.step_threads)
+            set_threads(self.step_threads)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from pagoda.bench.serve.server import READY
-from pagoda.cli.data_parallel import THREADS_ENV, child_environ, replica_command
+from pagoda.cli.data_parallel import Supervisor, child_environ, replica_command, run_data_parallel
 from pagoda.cli.main import build_parser, main
+from pagoda.core import machine
+from pagoda.core.machine import THREADS_ENV
 from tests.helpers import reap, wait_for
 from tests.router.helpers import REPLICA_HEADER
 
@@ -211,3 +214,32 @@ def test_a_replica_repeats_the_command_line_on_loopback_with_its_share_of_thread
     assert child_environ({}, 3, None, None)[THREADS_ENV] == "3"
     assert child_environ({THREADS_ENV: "5"}, 3, None, None)[THREADS_ENV] == "5"  # the user's count wins
     assert child_environ({}, 3, "1", "k") == {THREADS_ENV: "3", "CUDA_VISIBLE_DEVICES": "1", "PAGODA_API_KEY": "k"}
+
+
+REPLICA_THREADS = """
+from pagoda.core import machine
+machine.prepare_process()  # what `pagoda` does first
+print(machine.configure_threads())  # and what assembling the replica's engine does (pagoda/model/factory.py)
+"""
+
+
+def test_a_replica_runs_on_the_threads_machine_decides_for_it(monkeypatch):
+    """The supervisor's share for each replica is machine.py's, and torch runs on it inside a replica started with
+    the environment the supervisor gives it (torch's own there would be one per physical core)."""
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    started = []
+    monkeypatch.setattr(Supervisor, "run", lambda self: started.append(self) or 0)
+    argv = ["serve", "--data-parallel-size", "2", "--device", "cpu"]
+    threads = torch.get_num_threads()
+    machine.set_threads(machine.cpu_facts().cores)  # a supervisor's count; torch takes no more from the variable
+    try:
+        assert run_data_parallel(build_parser().parse_args(argv), argv, None) == 0
+        decided = machine.threads_per_process(2)
+    finally:
+        machine.set_threads(threads)
+    [supervisor] = started
+    assert supervisor.threads == decided
+    env = child_environ(supervisor.environ, supervisor.threads, None, None)
+    replica = subprocess.run([sys.executable, "-c", REPLICA_THREADS], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+    assert int(replica.stdout.split()[-1]) == decided
