@@ -27,9 +27,10 @@ from litestar.types import Guard
 
 from pagoda import __version__
 from pagoda.api.access_log import access_log_middleware
-from pagoda.api.errors import ERRORS_OPT, handle_exception
+from pagoda.api.errors import handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
+from pagoda.api.http_errors import ERRORS_OPT
 from pagoda.api.limits import Limits, limits_middleware
 from pagoda.api.metrics import Metrics
 from pagoda.api.settings import ServeSettings

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 
-from pagoda.api.errors import api_error, error_response
+from pagoda.api.http_errors import error_response, http_error
 from pagoda.plugins.protocol import Endpoint
 from pagoda.plugins.request_fields import RequestError
 
@@ -87,7 +87,7 @@ def strict_body(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response[An
         try:
             body = decode_body(endpoint.body_type, await request.body(), request.headers.get("content-type"))
         except RequestError as exc:
-            return error_response(endpoint.errors, api_error(exc))
+            return error_response(endpoint.errors, http_error(exc))
         setattr(request.state, STATE_KEY, body)
         return None
 

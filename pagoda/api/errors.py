@@ -1,52 +1,37 @@
-"""Every failure as an error body in the protocol's own shape, with the right status.
+"""Every failure of a request to a server as an error body in the protocol's own shape, with the right status.
 
-One conversion (`api_error`) from exceptions to `ApiError`, used by the
-endpoint handlers and by the app's exception handlers (body validation, the
-API key, unknown routes). The shape is the route's owner's: a route carries
-its `ErrorShape` in its handler's opt (`ERRORS_OPT`; a protocol endpoint's is
-its family's). A route without one (an unknown path, a route that names no
-shape) answers in DEFAULT_ERRORS, OpenAI's shape, as vLLM does. No request
-header picks the shape: the route decides.
+One conversion (`api_error`) from exceptions to `ApiError`, used by the endpoint handlers and by the app's
+exception handlers. It starts from the HTTP layer's own refusals (a bad body, the API key, an unknown route:
+pagoda.api.http_errors, which imports no engine and which the router shares) and adds what a server's engine
+raises: a full queue, a prompt past the context, a constraint it cannot compile, a dead engine. The shape is
+the route's owner's (http_errors.errors_of).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
 
+from pagoda.api.http_errors import error_response, errors_of, http_error
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.constraint import ConstraintError
 from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded, QueueFull
-from pagoda.plugins.error_shapes import OPENAI_ERRORS
-from pagoda.plugins.protocol import ApiError, ErrorShape
-from pagoda.plugins.request_fields import RequestError
+from pagoda.plugins.protocol import ApiError
 
 logger = logging.getLogger("pagoda.api")
-
-ERRORS_OPT = "pagoda_errors"  # route handler opt key holding the route's ErrorShape
-DEFAULT_ERRORS: ErrorShape = OPENAI_ERRORS  # the shape of routes that name none
-RETRY_AFTER = {429: "1", 503: "5"}  # seconds, by status: a full queue drains fast, a restart takes longer
-_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
 def api_error(exc: BaseException) -> ApiError:
     """The status and message an exception is answered with."""
-    if isinstance(exc, RequestError):
-        return ApiError(exc.status, exc.message, exc.param, exc.code)
-    if isinstance(exc, ValidationException):
-        return _validation_error(exc)
-    if isinstance(exc, HTTPException):
-        return ApiError(exc.status_code, str(exc.detail))
-    if isinstance(exc, RecursionError):  # a body nested past the decoder's depth: bad input, not a server fault
-        return ApiError(400, "invalid request body: the JSON is nested too deeply")
+    refused = http_error(exc)
+    if refused is not None:
+        return refused
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), None, "queue_full")
     if isinstance(exc, ContextLengthExceeded):
-        return ApiError(400, str(exc), "max_tokens", "context_length_exceeded")
+        return ApiError(400, str(exc), exc.field, "context_length_exceeded")
     if isinstance(exc, ConstraintError):  # a schema, regex or grammar the engine cannot compile
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, (AdmissionError, ValueError)):
@@ -57,37 +42,6 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(500, f"generation failed: {exc}")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return ApiError(500, f"internal server error ({type(exc).__name__})")
-
-
-def _validation_error(exc: ValidationException) -> ApiError:
-    """Name the field: Litestar reports [{'message', 'key', 'source'}] from msgspec."""
-    problems = exc.extra if isinstance(exc.extra, list) else []
-    if not problems:
-        return ApiError(400, str(exc.detail))
-    first = problems[0]
-    message, key = str(first.get("message", exc.detail)), first.get("key")
-    missing = _MISSING_FIELD.search(message)
-    if missing:
-        key = missing.group(1)
-    elif key == "data":  # the body as a whole
-        key = None
-    text = f"{key}: {message}" if key else f"invalid request body: {message}"
-    return ApiError(400, text, key)
-
-
-def error_response(shape: ErrorShape | None, error: ApiError) -> Response[Any]:
-    """An error Response in `shape` (DEFAULT_ERRORS when None), with the error's status."""
-    body = (shape or DEFAULT_ERRORS).render_error(error)
-    headers = {"x-should-retry": "false"} if error.status >= 500 else None  # SDKs would otherwise retry twice
-    if error.status in RETRY_AFTER:  # a full queue or a draining server: the client may come back
-        headers = {**(headers or {}), "retry-after": RETRY_AFTER[error.status]}
-    return Response(body, status_code=error.status, headers=headers)
-
-
-def errors_of(request: Request) -> ErrorShape | None:
-    """The error shape of the route a request was routed to, if it names one."""
-    handler = request.scope.get("route_handler")
-    return handler.opt.get(ERRORS_OPT) if handler is not None else None
 
 
 def handle_exception(request: Request, exc: Exception) -> Response[Any]:

@@ -42,7 +42,8 @@ from pagoda.api.access_log import CLIENT_CLOSED_REQUEST, access_record
 from pagoda.api.body import STATE_KEY, strict_body
 from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
 from pagoda.api.drain import DrainState
-from pagoda.api.errors import ERRORS_OPT, api_error, error_response
+from pagoda.api.errors import api_error
+from pagoda.api.http_errors import ERRORS_OPT, error_response
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.api.tenant_limits import Refusal, TenantLimits, Ticket

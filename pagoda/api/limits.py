@@ -7,7 +7,7 @@ Content-Length, refused before a byte of it is read. A chunked body carries no
 length: Litestar's `request_max_body_size` (set to the same limit in the app)
 stops it while it streams in, with the same 413 through the app's exception
 handler. uvicorn's own h11 buffer is set above `max_header_bytes`
-(`h11_buffer_for`), so that headers between the two limits get our 431 rather
+(pagoda.api.server.h11_buffer_for), so that headers between the two limits get our 431 rather
 than its bare 400; beyond it the connection is refused by uvicorn.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-from pagoda.api.errors import DEFAULT_ERRORS, ERRORS_OPT
+from pagoda.api.http_errors import DEFAULT_ERRORS, ERRORS_OPT
 from pagoda.api.metrics import Metrics
 from pagoda.plugins.protocol import ApiError
 
@@ -29,11 +29,6 @@ class Limits:
 
     max_body_bytes: int
     max_header_bytes: int
-
-
-def h11_buffer_for(max_header_bytes: int) -> int:
-    """uvicorn's `h11_max_incomplete_event_size`: room for headers well past our limit, so we can answer 431."""
-    return 2 * max_header_bytes + 64 * 1024
 
 
 def limits_middleware(limits: Limits, metrics: Metrics):  # -> a Litestar middleware factory

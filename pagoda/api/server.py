@@ -32,8 +32,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagoda.api.errors import DEFAULT_ERRORS
-from pagoda.api.limits import h11_buffer_for
+from pagoda.api.http_errors import DEFAULT_ERRORS
 from pagoda.plugins.protocol import ApiError
 
 logger = logging.getLogger("pagoda.api")
@@ -190,6 +189,11 @@ def bind_socket(host: str, port: int, send_buffer: int | None = None) -> socket.
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def h11_buffer_for(max_header_bytes: int) -> int:
+    """uvicorn's `h11_max_incomplete_event_size`: room for headers well past our limit, so we can answer 431."""
+    return 2 * max_header_bytes + 64 * 1024
 
 
 def _config(app: Any, **overrides: Any) -> uvicorn.Config:

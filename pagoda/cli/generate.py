@@ -91,9 +91,10 @@ def _build(args: argparse.Namespace, params):
     from pagoda.model.ranks import serve_as_worker
     from pagoda.model.factory import EngineOptions, load_engine
     from pagoda.model.hub import resolve_model
+    from pagoda.model.families import register_families
     from pagoda.plugins.manager import collect_architectures, load_plugins
 
-    architectures = Architectures(collect_architectures(load_plugins()))  # installed architecture plugins too
+    architectures = Architectures(collect_architectures(register_families(load_plugins())))  # installed ones too
     model_dir = resolve_model(args.model, layouts=architectures.gguf_layouts)
     tokenizer = Tokenizer.from_dir(model_dir)
     if args.raw or not tokenizer.has_chat_template:

@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from pagoda.model.families import register_families
 from pagoda.plugins.manager import ALLOW_ENV, DISABLE_ENV, PluginError, describe_plugins, load_plugins
 
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        infos = describe_plugins(load_plugins(disabled=args.disable_plugin))
+        infos = describe_plugins(register_families(load_plugins(disabled=args.disable_plugin)))
     except PluginError as exc:
         raise SystemExit(f"pagoda plugins: {exc}") from None
     if args.json:

@@ -163,13 +163,14 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.model.factory import build_engine
     from pagoda.model.hub import resolve_model
     from pagoda.api.keys_file import read_keys_file
+    from pagoda.model.families import register_families
     from pagoda.plugins.manager import PluginError, collect_architectures, collect_scheduling_policies, load_plugins
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.api_keys_file is not None:  # refused before the model loads: a typo costs no start-up
             read_keys_file(args.api_keys_file)
-        plugins = load_plugins(disabled=args.disable_plugin)
+        plugins = register_families(load_plugins(disabled=args.disable_plugin))
         options = engine_options(args, Architectures(collect_architectures(plugins)), collect_scheduling_policies(plugins))
         model_dir = resolve_model(options.model, layouts=options.architectures.gguf_layouts)
         status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0

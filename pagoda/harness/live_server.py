@@ -18,6 +18,7 @@ import httpx
 
 from pagoda.api.app import create_app
 from pagoda.model.architectures import Architectures
+from pagoda.model.families import register_families
 from pagoda.model.factory import EngineOptions, build_engine
 from pagoda.api.server import BackgroundServer
 from pagoda.api.settings import ServeSettings
@@ -84,7 +85,7 @@ def start_server(model_dir: Path | str, model_name: str, *, api_key: str | None 
     """
     settings = dataclasses.replace(settings or ServeSettings(), served_model_name=model_name, api_key=api_key,
                                    refuse_unknown_models=refuse_unknown_models)
-    plugins = load_plugins(environ or {}, disabled=settings.disabled_plugins)
+    plugins = register_families(load_plugins(environ or {}, disabled=settings.disabled_plugins))
     # the model is looked up in the architectures these plugins register, as `pagoda serve` does
     engine_options.setdefault("architectures", Architectures(collect_architectures(plugins)))
     engine_options.setdefault("scheduling_policies", collect_scheduling_policies(plugins))  # and the policies

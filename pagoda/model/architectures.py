@@ -61,9 +61,10 @@ class Architectures:
 
 def builtin_architectures() -> Architectures:
     """The built-in families only (no installed plugin, nothing disabled): the library's and tests' default."""
+    from pagoda.model.families import register_families
     from pagoda.plugins.manager import ALLOW_ENV, collect_architectures, load_plugins
 
-    return Architectures(collect_architectures(load_plugins(environ={ALLOW_ENV: "none"})))
+    return Architectures(collect_architectures(register_families(load_plugins(environ={ALLOW_ENV: "none"}))))
 
 
 def parse_config(raw: Mapping[str, Any], source: str = "config.json", generation: Mapping[str, Any] | None = None,

@@ -17,31 +17,55 @@ and a GGUF file's `general.architecture`) and carries four functions, all the mo
                                      `general.architecture` they import
 
 Built-in families (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3, Qwen3-MoE) are plugins registered exactly
-as a third-party package's: `pagoda_register_architectures(register)` in a module listed in
-BUILTIN_PLUGINS. The types here are plain (`Any` where a model-room type goes), so the plugin interface
-imports no torch.
+as a third-party package's: `pagoda_register_architectures(register)` in a module of pagoda/model/families/,
+named in pagoda.plugins.manager.BUILTIN_ARCHITECTURES.
+
+The plugin interface imports no torch and nothing of the model room, so it types what a family works in by
+what it and the model room's registry read of it: a config is a `FamilyConfig` (pagoda.model.config.ModelConfig
+is one), a GGUF layout a `GgufLayoutSpec` (pagoda.model.gguf_layout.GgufLayout is one). `Architecture` is
+generic in the config its family parses and the module it builds, so that a family's four functions are checked
+against one another: pagoda's own families are `Architecture[ModelConfig, Transformer]`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
-CheckpointNames = Callable[[str, Any], list[tuple[str, tuple[int, int] | None]]]
+
+class FamilyConfig(Protocol):
+    """A parsed config as the registry reads one (pagoda.model.config.ModelConfig): which family serves it."""
+
+    @property
+    def family(self) -> str: ...  # the name of the Architecture that parsed it and builds its module
+
+
+class GgufLayoutSpec(Protocol):
+    """A GGUF layout as the registry reads one (pagoda.model.gguf_layout.GgufLayout): the files it imports."""
+
+    @property
+    def architectures(self) -> tuple[str, ...]: ...  # the `general.architecture` values it reads
+
+
+ConfigT = TypeVar("ConfigT", bound=FamilyConfig)  # the config a family parses (pagoda's: ModelConfig)
+ModuleT = TypeVar("ModuleT")  # the module a family builds (pagoda's: pagoda.model.llama.Transformer)
+JsonObject = Mapping[str, Any]  # a parsed JSON object: config.json, generation_config.json
+# (checkpoint tensor name, config) -> [(the model's name, its rows of the tensor, or None for all of it)]
+CheckpointNames = Callable[[str, ConfigT], list[tuple[str, tuple[int, int] | None]]]
 
 
 @dataclass(frozen=True)
-class Architecture:
+class Architecture(Generic[ConfigT, ModuleT]):
     """One model family: the configs it serves and how pagoda reads, builds and loads it."""
 
     name: str  # unique across plugins: what `pagoda plugins` and the model card show ("qwen3")
     hf_architectures: tuple[str, ...]  # config.json `architectures[0]` values ("Qwen3ForCausalLM",)
-    parse_config: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]  # -> pagoda.model.config.ModelConfig
-    build: Callable[..., Any]  # (config, **options) -> pagoda.model.llama.Transformer
+    parse_config: Callable[[JsonObject, JsonObject], ConfigT]  # (config.json, generation_config.json) -> config
+    build: Callable[..., ModuleT]  # (config, **options) -> module; options as pagoda.model.llama.build_model's
     model_types: tuple[str, ...] = ()  # config.json `model_type` values, when `architectures` is absent
-    checkpoint_names: CheckpointNames | None = None  # None: every checkpoint name is already the model's
-    gguf: tuple[Any, ...] = field(default=())  # GgufLayouts, one per GGUF `general.architecture` it imports
+    checkpoint_names: CheckpointNames[ConfigT] | None = None  # None: every checkpoint name is already the model's
+    gguf: tuple[GgufLayoutSpec, ...] = field(default=())  # one layout per GGUF `general.architecture` it imports
     description: str = ""  # one line for `pagoda plugins` and docs
 
     def __post_init__(self) -> None:

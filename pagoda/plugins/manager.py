@@ -3,8 +3,13 @@
 Built-in features are plugin modules listed in BUILTIN_PLUGINS and registered
 exactly as a third-party package's plugin is; they have no private path into
 the server, and none imports another (what two share is in the plugin
-interface), so each can be left out alone. Third-party plugins are packages
-declaring an entry point in the group `pagoda`, e.g. in their pyproject.toml:
+interface), so each can be left out alone. The model families are built-in
+plugins of the model room (pagoda.model.families): named here, in
+BUILTIN_ARCHITECTURES, so that any process can leave one out by name, and
+registered by the model room when a model is built, so that loading the
+plugins imports no model and no torch (the router loads them to know the
+protocols' paths). Third-party plugins are packages declaring an entry point
+in the group `pagoda`, e.g. in their pyproject.toml:
 
     [project.entry-points.pagoda]
     ollama = "pagoda_ollama"
@@ -56,15 +61,10 @@ BUILTIN_PLUGINS = {
     "chat_page": "pagoda.plugins.builtin.chat_page",  # GET /
     "tool_parsers": "pagoda.plugins.builtin.tool_parsers",  # hermes, llama3_json
     "scheduling_policies": "pagoda.plugins.builtin.scheduling_policies",  # fcfs, priority, fair
-    # model architectures: each family a plugin in the model room, built from pagoda's layers
-    "llama": "pagoda.model.families.llama",  # LlamaForCausalLM
-    "mistral": "pagoda.model.families.mistral",  # MistralForCausalLM
-    "qwen2": "pagoda.model.families.qwen2",  # Qwen2ForCausalLM
-    "qwen3": "pagoda.model.families.qwen3",  # Qwen3ForCausalLM
-    "gemma3": "pagoda.model.families.gemma3",  # Gemma3ForCausalLM
-    "phi3": "pagoda.model.families.phi3",  # Phi3ForCausalLM
-    "qwen3_moe": "pagoda.model.families.qwen3_moe",  # Qwen3MoeForCausalLM
 }
+# The model families, each a plugin module of the model room built from pagoda's layers
+# (pagoda/model/families/<name>.py), registered there by pagoda.model.families.register_families.
+BUILTIN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
 ENTRY_POINT_GROUP = "pagoda"
 ALLOW_ENV = "PAGODA_PLUGINS"
 DISABLE_ENV = "PAGODA_DISABLE_PLUGINS"
@@ -113,7 +113,7 @@ def load_plugins(environ: Mapping[str, str] | None = None, disabled: Iterable[st
 def disabled_names(environ: Mapping[str, str], disabled: Iterable[str], installed: Iterable[str] = ()) -> list[str]:
     """The plugins to leave out: `disabled` and PAGODA_DISABLE_PLUGINS; a name no plugin has is an error."""
     names = list(dict.fromkeys([*disabled, *_names(environ.get(DISABLE_ENV, ""))]))
-    known = set(BUILTIN_PLUGINS) | set(installed)
+    known = set(BUILTIN_PLUGINS) | set(BUILTIN_ARCHITECTURES) | set(installed)
     unknown = [n for n in names if n not in known]
     if unknown:
         raise PluginError(f"cannot disable {', '.join(map(repr, unknown))}: no plugin has that name"
@@ -143,19 +143,24 @@ def describe_plugins(pm: pluggy.PluginManager) -> list[PluginInfo]:
     infos = []
     for name, plugin in pm.list_name_plugin():
         if plugin is None:  # blocked: disabled by name
-            infos.append(PluginInfo(name=name, origin="built-in" if name in BUILTIN_PLUGINS else "installed",
+            infos.append(PluginInfo(name=name, origin="built-in" if _is_builtin(name) else "installed",
                                     hooks=(), disabled=True))
             continue
         hooks = tuple(sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()))
         dist = distributions.get(id(plugin))
         if dist is not None:
             origin = f"{dist.project_name} {dist.version}"
-        elif name in BUILTIN_PLUGINS:
+        elif _is_builtin(name):
             origin = "built-in"
         else:
             origin = "registered in code"
         infos.append(PluginInfo(name=name, origin=origin, hooks=hooks, provides=tuple(provides.get(name, ()))))
     return infos
+
+
+def _is_builtin(name: str) -> bool:
+    """Whether `name` is one of pagoda's own plugins (the plugin interface's or a model family)."""
+    return name in BUILTIN_PLUGINS or name in BUILTIN_ARCHITECTURES
 
 
 def _registrations(pm: pluggy.PluginManager) -> dict[str, list[str]]:
@@ -226,7 +231,8 @@ def collect_scheduling_policies(pm: pluggy.PluginManager) -> dict[str, type[Sche
 
 
 def collect_architectures(pm: pluggy.PluginManager) -> list[Architecture]:
-    """Every architecture the plugins register; two with one name, or claiming one config name, is an error."""
+    """Every architecture the plugins register (the built-in families once pagoda.model.families.register_families
+    has put them on `pm`); two with one name, or claiming one config name, is an error."""
     archs: list[Architecture] = []
     pm.hook.pagoda_register_architectures(register=archs.append)
     _check_unique(archs, "name", "architectures")

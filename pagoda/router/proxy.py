@@ -42,7 +42,7 @@ from litestar.connection import ASGIConnection
 from litestar.exceptions import NotAuthorizedException
 from litestar.types import Receive, Scope, Send
 
-from pagoda.api.errors import api_error, error_response
+from pagoda.api.http_errors import error_response, http_error
 from pagoda.api.tenants import TenantTable
 from pagoda.plugins.protocol import ApiError
 from pagoda.router.metrics import RouterMetrics
@@ -95,7 +95,7 @@ class Proxy:
             try:
                 self.guard(ASGIConnection(scope), None)  # type: ignore[arg-type]  (pagoda's guard ignores the handler)
             except NotAuthorizedException as exc:
-                await send_error(send, info, api_error(exc))
+                await send_error(send, info, http_error(exc))
                 return
         prompt = None
         if self.prompts is not None and info.endpoint is not None:  # off the loop: it relays every other stream

@@ -17,7 +17,7 @@ from typing import Literal
 
 import pluggy
 
-from pagoda.api.errors import DEFAULT_ERRORS
+from pagoda.api.http_errors import DEFAULT_ERRORS
 from pagoda.api.stream_writer import ENCODERS
 from pagoda.plugins.manager import collect_endpoints, collect_routes
 from pagoda.plugins.protocol import ApiError, Endpoint, ErrorShape, Exchange, ExchangeState

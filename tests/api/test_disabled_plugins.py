@@ -9,7 +9,7 @@ import pytest
 from pagoda.model.config import ModelConfigError
 
 from pagoda.api.settings import ServeSettings
-from pagoda.plugins.manager import BUILTIN_PLUGINS, collect_endpoints, collect_routes, load_plugins
+from pagoda.plugins.manager import BUILTIN_ARCHITECTURES, BUILTIN_PLUGINS, collect_endpoints, collect_routes, load_plugins
 from tests.server_fixtures import TINY_ENGINE, TINY_NAME, start_server
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -45,11 +45,11 @@ def ask(http: httpx.Client, probe: str) -> httpx.Response:
     return http.request(method, path, json=PROBES[probe]) if PROBES[probe] is not None else http.request(method, path)
 
 
-ARCHITECTURES = sorted(n for n, module in BUILTIN_PLUGINS.items() if module.startswith("pagoda.model.families."))
+ARCHITECTURES = sorted(BUILTIN_ARCHITECTURES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(BUILTIN_PLUGINS) - set(ARCHITECTURES) - {"scheduling_policies"}))
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_PLUGINS) - {"scheduling_policies"}))
 def test_each_builtin_can_be_left_out_alone(name, tiny_model_dir):
     settings = ServeSettings(disabled_plugins=(name,),
                              disconnect_policy="finish" if name == "disconnect_abort" else "abort",

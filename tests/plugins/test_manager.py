@@ -16,6 +16,7 @@ from pagoda.plugins import hookimpl
 from pagoda.plugins.builtin.disconnect_abort import AbortOnDisconnect
 from pagoda.plugins.disconnect import DisconnectPolicy
 from pagoda.plugins.manager import (
+    BUILTIN_ARCHITECTURES,
     BUILTIN_PLUGINS,
     PluginError,
     collect_disconnect_policies,
@@ -208,7 +209,7 @@ def test_the_plugins_command_lists_plugins_hooks_and_origins(capsys, monkeypatch
     monkeypatch.setenv("PAGODA_PLUGINS", "ollama")
     assert cli_main(["plugins", "--json"]) == 0
     listed = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
-    assert set(listed) == set(BUILTIN_PLUGINS) | {"ollama"}
+    assert set(listed) == set(BUILTIN_PLUGINS) | set(BUILTIN_ARCHITECTURES) | {"ollama"}
     assert listed["disconnect_abort"]["provides"] == ["disconnect policy 'abort'"]
     assert listed["ollama"]["origin"].startswith("pagoda-ollama ")
     assert cli_main(["plugins"]) == 0

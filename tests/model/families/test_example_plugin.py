@@ -11,6 +11,7 @@ import pytest
 from pagoda.harness.live_server import live_server
 from pagoda.model.architectures import Architectures, builtin_architectures, read_config
 from pagoda.model.config import ModelConfigError
+from pagoda.model.families import register_families
 from pagoda.model.loader import load_model
 from pagoda.plugins.manager import collect_architectures, describe_plugins, load_plugins
 from tests.model.families.family_checks import check_matches_transformers, save_random_hf
@@ -24,7 +25,7 @@ SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_la
 
 
 def installed() -> Architectures:
-    return Architectures(collect_architectures(load_plugins({"PAGODA_PLUGINS": "olmo2"})))
+    return Architectures(collect_architectures(register_families(load_plugins({"PAGODA_PLUGINS": "olmo2"}))))
 
 
 def test_the_plugin_is_loaded_through_its_entry_point():
