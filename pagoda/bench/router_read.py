@@ -96,7 +96,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cmd = [sys.executable, "-m", "pagoda", "router", "--replica", f"http://127.0.0.1:{closed_port()}",
-           "--policy", "prefix", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
+           "--router-policy", "prefix", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
            "--log-level", "warning", "--health-interval", "60"]
     try:
         with pagoda_subprocess(cmd, args.ready_timeout, ready=ROUTER_READY) as url:

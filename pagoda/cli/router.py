@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from pagoda.cli.renamed_option import add_renamed_option
 from pagoda.core.routing import POLICIES
 from pagoda.router.settings import RouterSettings
 
@@ -23,8 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="a reverse proxy in front of pagoda replicas")
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
-    p.add_argument("--policy", default=defaults.policy, choices=POLICIES,
-                   help="how a replica is chosen: prefix keys on the prompt's cached blocks, balanced by load")
+    policy = p.add_argument("--router-policy", default=defaults.policy, choices=POLICIES,
+                            help="how a replica is chosen: prefix keys on the prompt's cached blocks, balanced by load")
+    add_renamed_option(p, "--policy", policy)
     p.add_argument("--model", default="default",
                    help="the replicas' model ('default', a GGUF file or a Hugging Face directory): the prefix policy "
                         "renders prompts with its tokenizer and chat template (no weights are loaded)")
@@ -62,12 +64,12 @@ def router_settings(args: argparse.Namespace, environ: Mapping[str, str] | None 
     resolved to its directory as `pagoda serve` resolves it (OSError or ValueError when it cannot be)."""
     environ = os.environ if environ is None else environ
     model_dir = None
-    if args.policy == "prefix":
+    if args.router_policy == "prefix":
         from pagoda.model.hub import resolve_model
 
         model_dir = str(resolve_model(args.model, progress=False))
     return RouterSettings(
-        replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port, model_dir=model_dir,
+        replicas=tuple(args.replica), policy=args.router_policy, host=args.host, port=args.port, model_dir=model_dir,
         tool_parser=None if args.tool_parser.lower() == "none" else args.tool_parser,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         cache_threshold=args.cache_threshold,

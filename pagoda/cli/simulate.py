@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from pagoda.cli.renamed_option import add_renamed_option
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import configure_threads
 from pagoda.core.routing import BALANCE_REL_THRESHOLD, POLICIES
@@ -30,21 +31,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--hangup-fraction", type=float, default=0.25, help="mixed crowds: the share that hang up")
-    p.add_argument("--crowd", help="replay a crowd saved as JSON instead of generating one")
+    p.add_argument("--crowd", help="replay a crowd saved as JSON instead of generating one (its prompts may hold a "
+                                   "real model's token ids: the fake model's vocabulary widens to hold them)")
     p.add_argument("--crowd-shape", choices=SHAPES, default="mixed",
                    help="the generated crowd: mixed (the default), one shared system prompt, multi-turn chats "
                         "(3 turns each), agents (3 steps each, behind one of 2 tool preambles) or noisy-neighbour "
                         "(tenant A: 64 closed-loop streams of 8 turns; tenant B: one stream of 8 turns; "
                         "--clients is ignored)")
-    p.add_argument("--policy", default=EngineConfig.scheduling_policy, choices=tuple(BUILTIN_POLICIES),
-                   help="the scheduling policy (default fcfs); a crowd's plans may carry tenant, priority and weight")
+    scheduling = p.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy,
+                                choices=tuple(BUILTIN_POLICIES),
+                                help="the scheduling policy (default fcfs); a crowd's plans may carry tenant, priority "
+                                     "and weight")
+    add_renamed_option(p, "--policy", scheduling)
     p.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="noisy-neighbour: virtual seconds a client takes between an answer and its next request "
                         "(default 0: at once)")
     p.add_argument("--arrival-rate", type=float,
                    help="new clients (first turns) per virtual second; default: the shape's own spacing")
     p.add_argument("--replicas", type=int, default=1, help="engines behind a simulated router (default 1: no router)")
-    p.add_argument("--router", choices=POLICIES, help="the fleet's routing policy (default prefix)")
+    router = p.add_argument("--router-policy", choices=POLICIES, help="the fleet's routing policy (default prefix)")
+    add_renamed_option(p, "--router", router)
     p.add_argument("--balance-abs-threshold", type=int,
                    help="prefix: imbalanced when max - min load exceeds this (default: --max-running) ...")
     p.add_argument("--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
@@ -64,9 +70,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--arrival-rate must be > 0")
     if args.think_time < 0:
         raise SystemExit("--think-time must be >= 0")
-    plans = load_crowd(args.crowd) if args.crowd else make_crowd(args.crowd_shape, args.seed, args.clients,
-                                                                 args.hangup_fraction, args.arrival_rate,
-                                                                 args.think_time)
+    if args.crowd:
+        try:
+            plans = load_crowd(args.crowd)
+        except (OSError, ValueError) as exc:  # a file that cannot be read, or a plan in it that is wrong
+            print(f"pagoda simulate: --crowd {args.crowd}: {exc}", file=sys.stderr)
+            return 2
+    else:
+        plans = make_crowd(args.crowd_shape, args.seed, args.clients, args.hangup_fraction, args.arrival_rate,
+                           args.think_time)
     if args.save_crowd:
         with open(args.save_crowd, "w") as f:
             f.write(crowd_to_json(plans))
@@ -76,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
-        scheduling_policy=args.policy,
+        scheduling_policy=args.scheduling_policy,
     )
     config = SimulationConfig(engine=engine, model_seed=args.seed)
-    if args.replicas == 1 and args.router is None:
+    if args.replicas == 1 and args.router_policy is None:
         report: SimulationReport = simulate(plans, config)  # one engine, no router: the report as it always was
     else:
-        fleet = FleetConfig(replicas=args.replicas, router=args.router or "prefix", seed=args.seed,
+        fleet = FleetConfig(replicas=args.replicas, router=args.router_policy or "prefix", seed=args.seed,
                             balance_abs_threshold=args.balance_abs_threshold,
                             balance_rel_threshold=args.balance_rel_threshold)
         report = simulate_fleet(plans, fleet, config)

@@ -26,11 +26,17 @@ so a new prefix does not evict a warm one while another replica sits cold),
 then to the lower index. So the replica it picks never holds more than
 max(min + abs, rel * min) requests.
 
-Policies live in core because core is the one room that both the simulator's
-fleet (simulator/fleet.py, which may import core alone) and the live router
-(router/, whose `choose(replicas, request)` seam can hand each replica's requests
-in flight as `loads`) may import: bookkeeping only, no torch. Each `route` is one
-decision, and a policy's state (its turn, its RNG, its index) changes only there.
+Every policy answers `route(request, loads, eligible)`: `loads` holds one number per
+replica, `eligible` the replicas it may choose now (default: all). The simulator's fleet
+passes every replica; the live router passes those healthy and under their bound, and the
+loads of the others take no part. Each `route` is one decision, and a policy's state (its
+turn, its RNG, its index) changes only there.
+
+Policies live in core because core is the one room that both the simulator's fleet
+(simulator/fleet.py, which may import core alone) and the live router (router/policy.py,
+whose `choose(replicas, request)` seam hands each replica's requests in flight as `loads`)
+may import: bookkeeping only, no torch. Both run these classes, made by
+`make_router_policy`, so the simulator predicts for the code the router runs.
 """
 
 from __future__ import annotations
@@ -47,9 +53,9 @@ from pagoda.core.sampling_params import SamplingParams
 POLICIES = ("round_robin", "least_load", "prefix", "power_of_two")
 # SGLang's router defaults are 64 requests and 1.5x, for workers that run hundreds of requests at once. Here the
 # absolute threshold is 4 requests: the simulated fleets (docs/distributed.md, 16 and 64 replicas on the agent
-# crowd) and the live chat fleet (docs/performance.md) kept all of prefix's hit rate with it, while at a whole
-# batch (16) a crowd sharing one system prompt piled onto the one replica that served it first. The simulator's
-# own fleet defaults to its replicas' max_running (FleetConfig).
+# crowd) and the live chat fleet (docs/performance/2026-12-03-fleet-router.md) kept all of prefix's hit rate
+# with it, while at a whole batch (16) a crowd sharing one system prompt piled onto the one replica that served
+# it first. The simulator's own fleet defaults to its replicas' max_running (FleetConfig).
 BALANCE_ABS_THRESHOLD = 4
 BALANCE_REL_THRESHOLD = 1.5
 # SGLang's cache_threshold: below this share of the prompt's blocks matched, a match is not worth following
@@ -67,18 +73,33 @@ class RouteRequest:
 
 
 @dataclass(frozen=True)
-class Route:
-    """One decision: the replica, why (a policy name, or prefix's "match", "balance", "no_match"), and how many
-    of the prompt's full blocks the chosen replica's index already held."""
+class RoutingDecision:
+    """One decision: the replica, why (a policy name, or prefix's "match", "low_match", "no_match", "balance"), and
+    how many of the prompt's full blocks the chosen replica's index already held."""
 
     replica: int
     reason: str
     matched_blocks: int = 0
 
 
-def least_loaded(loads: Sequence[int]) -> int:
-    """The replica with the fewest requests; ties go to the lowest index."""
-    return loads.index(min(loads))
+def check_router_policy(name: str) -> str:
+    """The name when it is a routing policy's; ValueError naming the choices otherwise."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return name
+
+
+def candidates_of(num_replicas: int, eligible: Sequence[int] | None) -> list[int]:
+    """The replicas a decision may choose, in index order: `eligible`, or all; ValueError when there are none."""
+    candidates = list(range(num_replicas)) if eligible is None else sorted(eligible)
+    if not candidates:
+        raise ValueError("no replica is eligible")
+    return candidates
+
+
+def least_loaded(loads: Sequence[int], candidates: Sequence[int]) -> int:
+    """The candidate with the fewest requests; ties go to the lowest index."""
+    return min(candidates, key=lambda r: (loads[r], r))
 
 
 def prompt_block_hashes(request: RouteRequest, block_size: int) -> list[int]:
@@ -89,46 +110,60 @@ def prompt_block_hashes(request: RouteRequest, block_size: int) -> list[int]:
 
 
 class RoundRobin:
-    """Replica 0, 1, ..., N-1, 0, ...: assignment counts never differ by more than one."""
+    """Each eligible replica in turn: with all eligible, 0, 1, ..., N-1, 0, ..., so assignment counts never differ
+    by more than one; a replica that is not eligible in its turn is skipped."""
+
+    name = "round_robin"
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
-        self._next = 0
+        self._next = 0  # the index whose turn it is
 
-    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
-        """One decision: whose turn it is."""
-        replica, self._next = self._next, (self._next + 1) % self.num_replicas
-        return Route(replica, "round_robin")
+    def route(self, request: RouteRequest, loads: Sequence[int],
+              eligible: Sequence[int] | None = None) -> RoutingDecision:
+        """One decision: whose turn it is, or the next eligible one after it."""
+        candidates = candidates_of(self.num_replicas, eligible)
+        replica = next((r for r in candidates if r >= self._next), candidates[0])
+        self._next = (replica + 1) % self.num_replicas
+        return RoutingDecision(replica, self.name)
 
 
 class LeastLoad:
-    """The replica with the fewest running + waiting requests, ties by index."""
+    """The eligible replica with the fewest requests (running + waiting, or in flight), ties by index."""
+
+    name = "least_load"
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
 
-    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
+    def route(self, request: RouteRequest, loads: Sequence[int],
+              eligible: Sequence[int] | None = None) -> RoutingDecision:
         """One decision: the least loaded."""
-        return Route(least_loaded(loads), "least_load")
+        return RoutingDecision(least_loaded(loads, candidates_of(self.num_replicas, eligible)), self.name)
 
 
 class PowerOfTwo:
-    """Two distinct replicas drawn from a seeded RNG; the less loaded of the two (ties: the lower index)."""
+    """Two distinct eligible replicas drawn from a seeded RNG; the less loaded of the two (ties: the lower index)."""
+
+    name = "power_of_two"
 
     def __init__(self, num_replicas: int, seed: int = 0) -> None:
         self.num_replicas = num_replicas
         self._rng = random.Random(seed)
 
-    def route(self, request: RouteRequest, loads: Sequence[int]) -> Route:
-        """One decision: the less loaded of two drawn."""
-        if self.num_replicas == 1:
-            return Route(0, "power_of_two")
-        a, b = sorted(self._rng.sample(range(self.num_replicas), 2))
-        return Route(b if loads[b] < loads[a] else a, "power_of_two")
+    def route(self, request: RouteRequest, loads: Sequence[int],
+              eligible: Sequence[int] | None = None) -> RoutingDecision:
+        """One decision: the less loaded of two drawn (a lone eligible replica is chosen without a draw)."""
+        candidates = candidates_of(self.num_replicas, eligible)
+        if len(candidates) == 1:
+            return RoutingDecision(candidates[0], self.name)
+        return RoutingDecision(least_loaded(loads, self._rng.sample(candidates, 2)), self.name)
 
 
 class PrefixAware:
     """The longest cached prefix, unless the loads are imbalanced (see the module's note)."""
+
+    name = "prefix"
 
     def __init__(self, num_replicas: int, block_size: int, index_capacity: int,
                  balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
@@ -164,18 +199,17 @@ class PrefixAware:
             n += 1
         return n
 
-    def route(self, request: RouteRequest, loads: Sequence[int], eligible: Sequence[int] | None = None) -> Route:
+    def route(self, request: RouteRequest, loads: Sequence[int],
+              eligible: Sequence[int] | None = None) -> RoutingDecision:
         """One decision among `eligible` replicas (default: all); the prompt's blocks join the chosen one's index.
 
-        A live router passes the replicas it may send to now (healthy, under their bound); the loads of the others
-        take no part, so a replica that is down neither attracts nor repels traffic."""
+        Only the eligible replicas' loads take part, so a replica that is down neither attracts nor repels traffic."""
         return self.route_hashes(prompt_block_hashes(request, self.block_size), loads, eligible)
 
-    def route_hashes(self, hashes: Sequence[int], loads: Sequence[int], eligible: Sequence[int] | None = None) -> Route:
+    def route_hashes(self, hashes: Sequence[int], loads: Sequence[int],
+                     eligible: Sequence[int] | None = None) -> RoutingDecision:
         """`route` for a caller that has the prompt's block hashes already."""
-        candidates = range(self.num_replicas) if eligible is None else sorted(eligible)
-        if not candidates:
-            raise ValueError("no replica is eligible")
+        candidates = candidates_of(self.num_replicas, eligible)
         if self.imbalanced([loads[r] for r in candidates]):
             replica, reason = self._least_loaded(loads, candidates), "balance"
         else:
@@ -186,9 +220,9 @@ class PrefixAware:
             else:  # the longest match; ties: the less loaded, then the lower index
                 replica = min((r for r in candidates if matches[r] == best), key=lambda r: loads[r])
                 reason = "match"
-        route = Route(replica, reason, self.matched_blocks(replica, hashes))
+        decision = RoutingDecision(replica, reason, self.matched_blocks(replica, hashes))
         self._remember(replica, hashes)
-        return route
+        return decision
 
     def _least_loaded(self, loads: Sequence[int], candidates: Sequence[int]) -> int:
         """The least loaded candidate; ties: the one whose index holds the fewest blocks, then the lower index."""
@@ -204,22 +238,23 @@ class PrefixAware:
             index.popitem(last=False)
 
 
-Router = RoundRobin | LeastLoad | PowerOfTwo | PrefixAware
+RouterPolicy = RoundRobin | LeastLoad | PowerOfTwo | PrefixAware
 
 
-def make_router(policy: str, num_replicas: int, block_size: int, index_capacity: int, seed: int = 0,
-                balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> Router:
-    """The named policy over `num_replicas` replicas; ValueError for an unknown name."""
+def make_router_policy(name: str, num_replicas: int, block_size: int, index_capacity: int, seed: int = 0,
+                       balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                       balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+                       cache_threshold: float = CACHE_THRESHOLD) -> RouterPolicy:
+    """The named policy over `num_replicas` replicas (`block_size`, `index_capacity` and the thresholds are
+    prefix's, `seed` power_of_two's); ValueError for an unknown name."""
+    check_router_policy(name)
     if num_replicas < 1:
         raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
-    if policy == "round_robin":
+    if name == "round_robin":
         return RoundRobin(num_replicas)
-    if policy == "least_load":
+    if name == "least_load":
         return LeastLoad(num_replicas)
-    if policy == "power_of_two":
+    if name == "power_of_two":
         return PowerOfTwo(num_replicas, seed)
-    if policy == "prefix":
-        return PrefixAware(num_replicas, block_size, index_capacity, balance_abs_threshold, balance_rel_threshold,
-                           cache_threshold)
-    raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    return PrefixAware(num_replicas, block_size, index_capacity, balance_abs_threshold, balance_rel_threshold,
+                       cache_threshold)

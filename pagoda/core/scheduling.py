@@ -9,7 +9,8 @@ lives on the request, no policy changes an answer (only when it is computed). Th
     start_step          once per schedule(), before anything is handed out (a policy's per-step state)
     rebalance           running requests to preempt so that better-placed waiting ones can run
     grant               how many of the step's tokens a request may take now (<= what it wants and the budget)
-    next_waiting        the waiting request to admit next (None: admit no more this step)
+    next_waiting        the waiting request to admit next (None: admit no more this step); see its docstring
+                        for what the scheduler does when it then does not admit it
     victim              the running request to preempt when the pool is short of blocks
 
 fcfs (the default) is today's schedule exactly: arrivals at the back, preempted requests at the front, the head
@@ -52,8 +53,9 @@ to their weights (Request.weight; a tenant's is its latest request's):
     is not held). The share bound above is unchanged: it is stated while every tenant is backlogged, and a
     held tenant is not.
 This is weighted max-min fairness recomputed every step (deficit round robin with one round per step, its
-quantum the weighted share of the budget); a tenant's deficit is not carried between steps because the scheduler
-sees every tenant's whole demand each step.
+quantum the weighted share of the budget). The shares themselves are recomputed from every tenant's whole demand
+each step; what is carried between steps is a backlogged tenant's deficit (`FairPolicy.carry`: the fractions of
+its shares that integer rounding has not yet given it), dropped once a step meets its whole demand.
 
 A third-party package adds a policy by registering its class through the `pagoda_register_scheduling_policies`
 hook (pagoda/plugins/hookspecs.py); `pagoda serve --scheduling-policy NAME` picks it. No torch here.
@@ -98,7 +100,17 @@ class SchedulingPolicy:
         return wanted if wanted < budget else budget
 
     def next_waiting(self, waiting: deque[Request], running: Sequence[Request]) -> Request | None:
-        """The waiting request to admit next; the scheduler stops admitting when it cannot be admitted."""
+        """The waiting request to admit next, one of `waiting` (None: admit no more this step).
+
+        The contract. The scheduler then asks `grant` for the request's first chunk and checks that chunk's blocks.
+        If both allow it, the request leaves `waiting` and runs. If not (`grant` gives it no token, or the blocks
+        are short), the scheduler admits nobody else this step and leaves the request in `waiting` where it
+        was: still WAITING, holding no blocks and no computed tokens. Nothing tells the policy, and the tokens
+        `grant` gave it stay counted as given. So a policy may commit per-step state here as though the request
+        were admitted (fair takes it off its own queue and counts it as running) as long as `start_step`
+        rebuilds that state from `running` and `waiting`: until the next `start_step` the policy hears only
+        `enqueue` (new arrivals) and `anticipation` (before the next schedule).
+        """
         return waiting[0] if waiting else None
 
     def victim(self, candidates: Sequence[Request], running: Sequence[Request]) -> Request:
@@ -272,9 +284,14 @@ class FairPolicy(SchedulingPolicy):
             key = ((self.running_count.get(tenant, 0) + 1) / self._weight(tenant), queue[0].arrival_time)
             if best_key is None or key < best_key:
                 best, best_key = tenant, key
-        if best is None:
+        if best_key is None:  # no tenant may start one (None is a tenant: the requests that name none)
             return None
-        request = self.queues[best].popleft()  # the scheduler admits it now, or admits no more this step
+        # Counted as admitted now (the interface's contract): if the scheduler then does not admit it, this step
+        # admits no one else, and `start_step` rebuilds the queues, counts and grants from the scheduler's own
+        # queues. Until then its tenant counts one running request more than it has, and `anticipation` and
+        # `start_step` read those counts to tell which tenants ran in the step before (the hold and the wait): such
+        # a tenant counts as having run.
+        request = self.queues[best].popleft()
         self.running_count[best] = self.running_count.get(best, 0) + 1
         return request
 

@@ -23,7 +23,7 @@ from pagoda.api.tenants import TenantTable
 from pagoda.core.tokenizer import Tokenizer
 from pagoda.plugins.manager import collect_tool_parsers, load_plugins
 from pagoda.router.metrics import RouterMetrics
-from pagoda.router.policy import make_policy
+from pagoda.router.policy import BuiltinPolicy
 from pagoda.router.prompts import PromptReader
 from pagoda.router.proxy import Proxy
 from pagoda.router.replicas import Fleet
@@ -40,8 +40,8 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
     """A router over `settings.replicas`; `plugins` (default: those `pagoda serve` loads) say what each path is."""
     plugins = plugins if plugins is not None else load_plugins()
     table = RouteTable.from_plugins(plugins)
-    policy = make_policy(settings.policy, settings.seed, settings.balance_abs_threshold, settings.balance_rel_threshold,
-                         settings.cache_threshold)
+    policy = BuiltinPolicy(settings.policy, settings.seed, settings.balance_abs_threshold,
+                           settings.balance_rel_threshold, settings.cache_threshold)
     fleet = Fleet(settings.replicas, policy, settings.max_queue_per_replica)
     metrics = RouterMetrics(fleet)
     tenants = TenantTable(settings.api_key, settings.api_keys_file)  # a bad keys file: KeysFileError, a ValueError

@@ -33,7 +33,8 @@ class FleetCollector(Collector):
             bound.add_metric([replica.url], replica.max_in_flight)
             healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
         yield from (in_flight, bound, healthy)
-        reasons = getattr(self.fleet.policy, "reasons", None)  # the prefix policy's decisions, by why
+        policy = self.fleet.policy
+        reasons = getattr(policy, "reasons", None) if policy.name == "prefix" else None  # its decisions, by why
         if reasons is not None:
             decisions = CounterMetricFamily("pagoda_router_prefix_decisions", "Prefix policy decisions: the longest "
                                             "cached prefix (match), too little of it cached (low_match), none cached "

@@ -13,29 +13,28 @@ so a policy may keep state per replica. `choose` runs on the event loop, once pe
 policy's state changes only there; a retry after a replica refused or could not be reached is a new
 decision, with that replica unavailable.
 
-Round robin, least load and power of two are small enough to be written here over the available
-replicas. `prefix` is the fleet's own policy from `pagoda.core.routing.PrefixAware` (the one the
-simulator's fleet runs, so that its predictions are about this code): a policy whose `reads_prompt`
-is true gets the prompt in `RequestInfo.prompt` (its rendered tokens, `cache_salt` and tenant, read
-by router/prompts.py as a replica reads them), and keys on the prompt's chained block hashes by the
-prefix cache's own function (pagoda/core/block_hash.py). The block size and each replica's index
-capacity (its pool's blocks) come from the replicas' /health.
+The built-in policies are core's (`pagoda.core.routing`, the ones the simulator's fleet runs, so
+that its predictions are about this code): `BuiltinPolicy` hands one the replicas' requests in
+flight as its loads and the available replicas as those it may choose. A policy whose
+`reads_prompt` is true (`prefix`) gets the prompt in `RequestInfo.prompt` (its rendered tokens,
+`cache_salt` and tenant, read by router/prompts.py as a replica reads them), and keys on the
+prompt's chained block hashes by the prefix cache's own function (pagoda/core/block_hash.py). The
+block size and each replica's index capacity (its pool's blocks) come from the replicas' /health.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagoda.core.engine_config import EngineConfig
-from pagoda.core.routing import (BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, POLICIES, PrefixAware,
-                                 RouteRequest)
+from pagoda.core.routing import (BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, RouteRequest,
+                                 RouterPolicy, check_router_policy, least_loaded, make_router_policy)
 
 logger = logging.getLogger("pagoda.router")
-
+NO_PROMPT = RouteRequest(())  # what a policy that reads no prompt is handed
 
 
 @dataclass(frozen=True)
@@ -84,101 +83,45 @@ def available(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
     return found
 
 
-def least_in_flight(candidates: Sequence[ReplicaState]) -> int:
-    """The index of the candidate with the fewest requests in flight; ties go to the lowest index."""
-    return min(candidates, key=lambda r: (r.in_flight, r.index)).index
+class BuiltinPolicy:
+    """A routing policy of pagoda.core.routing behind the seam: each replica's requests in flight are its load, the
+    available replicas are those it may choose. It is made at the first decision, when the replicas' /health has
+    said their block size (the prefix cache's unit) and their pools (the smallest is prefix's index capacity,
+    per replica). A request whose prompt a prompt-reading policy could not read (not a generation route, or a
+    body the replica will refuse) goes to the least loaded, as a prompt with no match does, and is not counted
+    in `reasons`."""
 
-
-class RoundRobin:
-    """Each replica in turn, skipping those unavailable: with all available, 0, 1, ..., N-1, 0, ..."""
-
-    name = "round_robin"
-    reads_prompt = False
-
-    def __init__(self) -> None:
-        self._next = 0  # the index whose turn it is
-
-    def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
-        candidates = available(replicas)
-        chosen = next((r for r in candidates if r.index >= self._next), candidates[0]).index
-        self._next = (chosen + 1) % len(replicas)
-        return chosen
-
-
-class LeastLoad:
-    """The available replica with the fewest requests in flight through this router, ties by index."""
-
-    name = "least_load"
-    reads_prompt = False
-
-    def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
-        return least_in_flight(available(replicas))
-
-
-class PowerOfTwo:
-    """Two distinct available replicas drawn from a seeded RNG; the one with fewer in flight (ties: lower index)."""
-
-    name = "power_of_two"
-    reads_prompt = False
-
-    def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
-
-    def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
-        candidates = available(replicas)
-        if len(candidates) == 1:
-            return candidates[0].index
-        return least_in_flight(self._rng.sample(candidates, 2))
-
-
-class Prefix:
-    """The longest prefix the replica's index holds, balanced by thresholds (pagoda.core.routing.PrefixAware);
-    a request whose prompt the router could not read (not a generation route, or a body the replica will
-    refuse) goes to the least loaded, as a prompt with no match does."""
-
-    name = "prefix"
-    reads_prompt = True
-
-    def __init__(self, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> None:
+    def __init__(self, name: str, seed: int = 0, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+                 cache_threshold: float = CACHE_THRESHOLD) -> None:
+        self.name = check_router_policy(name)
+        self.reads_prompt = name == "prefix"
+        self.seed = seed
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold
-        self.reasons: dict[str, int] = {}  # decisions by PrefixAware's reason ("match", "low_match", "no_match", "balance")
-        self._inner: PrefixAware | None = None
+        self.reasons: dict[str, int] = {}  # decisions by RoutingDecision.reason (prefix's: match, no_match, ...)
+        self._inner: RouterPolicy | None = None
 
     def choose(self, replicas: Sequence[ReplicaState], request: RequestInfo) -> int:
         candidates = [r.index for r in available(replicas)]
-        if request.prompt is None:
-            return least_in_flight([replicas[i] for i in candidates])
-        inner = self._index(replicas)
-        route = inner.route(request.prompt, [r.in_flight for r in replicas], candidates)
-        self.reasons[route.reason] = self.reasons.get(route.reason, 0) + 1
-        return route.replica
+        loads = [r.in_flight for r in replicas]
+        if self.reads_prompt and request.prompt is None:
+            return least_loaded(loads, candidates)
+        decision = self._core_policy(replicas).route(request.prompt or NO_PROMPT, loads, candidates)
+        self.reasons[decision.reason] = self.reasons.get(decision.reason, 0) + 1
+        return decision.replica
 
-    def _index(self, replicas: Sequence[ReplicaState]) -> PrefixAware:
-        """The per-replica index, made at the first decision from what the replicas' /health says: their block
-        size (the prefix cache's unit) and the smallest pool (the index's capacity, per replica)."""
+    def _core_policy(self, replicas: Sequence[ReplicaState]) -> RouterPolicy:
+        """The core policy over these replicas, made at the first decision from what their /health says."""
         if self._inner is None:
             said = [r.health for r in replicas if "kv_block_size" in r.health]
             block_size = int(said[0]["kv_block_size"]) if said else EngineConfig.block_size
-            if len({int(h["kv_block_size"]) for h in said}) > 1:
+            if self.reads_prompt and len({int(h["kv_block_size"]) for h in said}) > 1:
                 logger.warning("replicas differ in KV block size; the prefix index keys on %d-token blocks", block_size)
             pools = [int(r.health["kv_blocks_total"]) for r in replicas if "kv_blocks_total" in r.health]
-            self._inner = PrefixAware(len(replicas), block_size, min(pools) if pools else EngineConfig.num_blocks,
-                                      self.balance_abs_threshold, self.balance_rel_threshold, self.cache_threshold)
+            self._inner = make_router_policy(self.name, len(replicas), block_size,
+                                             min(pools) if pools else EngineConfig.num_blocks, self.seed,
+                                             self.balance_abs_threshold, self.balance_rel_threshold,
+                                             self.cache_threshold)
         return self._inner
-
-
-def make_policy(name: str, seed: int = 0, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                balance_rel_threshold: float = BALANCE_REL_THRESHOLD, cache_threshold: float = CACHE_THRESHOLD) -> Policy:
-    """The named policy; ValueError for an unknown name."""
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_load":
-        return LeastLoad()
-    if name == "power_of_two":
-        return PowerOfTwo(seed)
-    if name == "prefix":
-        return Prefix(balance_abs_threshold, balance_rel_threshold, cache_threshold)
-    raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, POLICIES
+from pagoda.core.routing import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, CACHE_THRESHOLD, check_router_policy
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,7 @@ class RouterSettings:
     """`pagoda router`'s options (pagoda/cli/router.py builds them from the command line)."""
 
     replicas: tuple[str, ...]  # base URLs, e.g. "http://10.0.0.2:8000"; a replica's index is its place here
-    policy: str = "prefix"  # one of POLICIES
+    policy: str = "prefix"  # one of core.routing.POLICIES
     model_dir: str | None = None  # the replicas' model directory: prefix reads prompts with its tokenizer (no weights)
     tool_parser: str | None = "hermes"  # the replicas' --tool-parser, to render a prompt with tools as they do
     balance_abs_threshold: int = BALANCE_ABS_THRESHOLD  # prefix: imbalanced when max - min in flight exceeds this
@@ -42,8 +42,7 @@ class RouterSettings:
                 raise ValueError(f"replica {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
         if len(set(self.replicas)) != len(self.replicas):
             raise ValueError(f"a replica is named twice: {', '.join(self.replicas)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown router policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        check_router_policy(self.policy)
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:

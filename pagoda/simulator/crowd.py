@@ -23,7 +23,14 @@ import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import msgspec
+
 from pagoda.core.sampling_params import SamplingParams
+
+# A plan's token ids are below this: past every real model's vocabulary (Gemma 3's is 2**18), and the most the fake
+# model's logit table (256 rows of the vocabulary, simulator/fake_model.py) is widened to hold: 512 MiB.
+TOKEN_ID_LIMIT = 2**19
+
 
 @dataclass(frozen=True)
 class ClientPlan:
@@ -51,6 +58,13 @@ class ClientPlan:
     def __post_init__(self) -> None:
         if self.prompt is not None:
             object.__setattr__(self, "prompt", tuple(self.prompt))
+            bad = next((t for t in self.prompt if type(t) is not int or not 0 <= t < TOKEN_ID_LIMIT), None)
+            if bad is not None:
+                raise ValueError(f"prompt: token id {bad!r} is not an integer in [0, {TOKEN_ID_LIMIT})")
+        if self.after is None and self.prompt == ():
+            raise ValueError("prompt is empty: a client that follows no other needs at least one prompt token")
+        if self.after is None and self.prompt is None and self.prompt_text is None and self.prompt_len < 1:
+            raise ValueError(f"prompt_len must be >= 1 for a generated prompt, got {self.prompt_len}")
         if self.protocol is not None and not (isinstance(self.protocol, str) and self.protocol):
             raise ValueError(f"protocol must be an endpoint's protocol name, got {self.protocol!r}")
         if self.hangup_after is not None and self.hangup_after < 0:
@@ -202,26 +216,43 @@ def crowd_to_json(plans: list[ClientPlan]) -> str:
 
 
 def crowd_from_json(text: str) -> list[ClientPlan]:
-    """Parse a crowd; unknown keys are an error that names them."""
-    data = json.loads(text)
+    """Parse a crowd; every error is a ValueError naming the plan (its place and client id) and the field."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"a crowd is JSON, and this is not: {exc}") from None
     if not isinstance(data, list):
         raise ValueError("a crowd is a JSON list of client plans")
     known = {f.name for f in fields(ClientPlan)}
-    plans = []
+    plans: list[ClientPlan] = []
     for i, item in enumerate(data):
         if not isinstance(item, dict):
             raise ValueError(f"crowd[{i}] must be an object")
+        where = f"crowd[{i}] (client {item.get('client_id')!r})"
         unknown = set(item) - known
         if unknown:
-            raise ValueError(f"crowd[{i}] has unknown fields: {sorted(unknown)}")
-        plans.append(ClientPlan(**item))
-    ids = [p.client_id for p in plans]
-    if len(set(ids)) != len(ids):
-        raise ValueError("client_id values in a crowd must be unique")
+            raise ValueError(f"{where} has unknown fields: {sorted(unknown)}")
+        try:
+            plans.append(msgspec.convert(item, ClientPlan))  # each field's JSON type, then ClientPlan's own checks
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{where}: {_field_error(str(exc))}") from None
+    seen: dict[str, int] = {}
     for i, plan in enumerate(plans):
-        if plan.after is not None and plan.after not in ids[:i]:
-            raise ValueError(f"crowd[{i}] follows {plan.after!r}, which is not an earlier client")
+        if plan.client_id in seen:
+            raise ValueError(f"crowd[{i}] (client {plan.client_id!r}): client_id is crowd[{seen[plan.client_id]}]'s "
+                             "too; client_id values in a crowd must be unique")
+        if plan.after is not None and plan.after not in seen:
+            raise ValueError(f"crowd[{i}] (client {plan.client_id!r}): after: it follows {plan.after!r}, which is not "
+                             "an earlier client")
+        seen[plan.client_id] = i
     return plans
+
+
+def _field_error(message: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.max_tokens`" as "max_tokens: expected `int`, got `str`"; a
+    plan's own check names its field already."""
+    what, at, where = message.rpartition(" - at `$.")
+    return f"{where.rstrip('`')}: {what[:1].lower()}{what[1:]}" if at else message
 
 
 def load_crowd(path: str | Path) -> list[ClientPlan]:

@@ -13,6 +13,12 @@ Like the CPU matmuls it pads a step's rows to a multiple of 4 (`row_multiple`),
 so greedy requests get n-gram drafts (core/speculative.py) in the padded rows:
 a draft's row reads the context through the draft itself, so a rejected
 draft's slot that is not rewritten before it is read changes the request.
+
+Its vocabulary may be as wide as a real model's (a crowd recorded from real
+traffic holds real token ids): the table keeps at most `TABLE_ROWS` rows, and a
+context is keyed into one of them (the last token and the checksum, modulo the
+rows), so a 128k vocabulary costs 128k columns, not 128k squared. Up to
+`TABLE_ROWS` tokens the table is square and the key the plain token id.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pagoda.core.batch import SchedulerOutput
 from pagoda.core.batch import RunnerOutput
 
 EOS_TOKEN_ID = 0
+TABLE_ROWS = 256  # the most rows of the logit table, whatever the vocabulary
 
 
 class FakeModelRunner:
@@ -34,6 +41,7 @@ class FakeModelRunner:
         self.row_multiple = row_multiple
         self.block_size = block_size
         self.cache = [-1] * (num_blocks * block_size)  # the token id stored in each slot
+        self.num_table_rows = min(vocab_size, TABLE_ROWS)
         self.table = _logit_table(vocab_size, seed, eos_bias)  # [context key, vocab], read only
         self.table_rows = _table_rows(vocab_size, seed, eos_bias)  # its rows [1, vocab]: a list index, no tensor op
 
@@ -57,17 +65,18 @@ class FakeModelRunner:
         return context
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        """Write each chunk's tokens into its slots, then read each sampling row's whole context back."""
+        """Write each chunk's tokens into its slots, then read each logits row's whole context back."""
         for chunk in batch.chunks:
             self._write(chunk.block_table, chunk.start, chunk.token_ids)
         last, key = [], []
-        for chunk in batch.sample_chunks:
-            for end in range(chunk.end, chunk.end + chunk.num_logits_rows):  # its last token, then each draft
+        for chunk in batch.logits_chunks:
+            last_row = chunk.start + chunk.num_rows  # its logits rows are its last: prompt rows, last token, drafts
+            for end in range(last_row - chunk.num_logits_rows + 1, last_row + 1):
                 context = self._read(chunk.block_table, end)
                 if min(context) < 0:
                     raise RuntimeError(f"request {chunk.request.request_id} read a KV slot that was never written")
-                last.append(context[-1])
-                key.append((sum(context) * 31 + end) % self.vocab_size)
+                last.append(context[-1] % self.num_table_rows)
+                key.append((sum(context) * 31 + end) % self.num_table_rows)
         if not last:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size))
         # logits [rows, vocab] = table[last] + table[key]; the cheapest gather for each batch shape
@@ -88,6 +97,6 @@ def _table_rows(vocab_size: int, seed: int, eos_bias: float) -> tuple[torch.Tens
 def _logit_table(vocab_size: int, seed: int, eos_bias: float) -> torch.Tensor:
     """The fake model's "weights": a fixed random table (shared by every run with the same seed)."""
     g = torch.Generator().manual_seed(seed)
-    table = torch.randn(vocab_size, vocab_size, generator=g) * 2.5
+    table = torch.randn(min(vocab_size, TABLE_ROWS), vocab_size, generator=g) * 2.5
     table[:, EOS_TOKEN_ID] += eos_bias - 2.0  # EOS likely enough that some requests stop early
     return table

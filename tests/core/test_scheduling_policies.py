@@ -106,6 +106,16 @@ def test_fair_shares_slots_by_weight_from_the_first_step(weights, expected):
     assert running_by_tenant(s) == expected
 
 
+def test_fair_admits_requests_that_name_no_tenant():
+    """None is a tenant like any other (a server without keys, a crowd without tenants): it is admitted and shares."""
+    s = make(FairPolicy())
+    for i in range(3):
+        s.add(req(f"open{i}"))
+    s.add(req("a0", tenant="a"))
+    step(s)
+    assert running_by_tenant(s) == {None: 3, "a": 1}
+
+
 def test_fair_preempts_from_the_tenant_most_over_its_share_and_never_ping_pongs():
     s = make(FairPolicy(), max_running=4)
     for i in range(8):

@@ -102,7 +102,7 @@ def test_every_decision_keeps_its_policys_balance_bound(crowd, fleet, config):
 
 @given(crowd=crowds, router=st.sampled_from(POLICIES), config=engine_configs)
 def test_a_fleet_of_one_runs_as_the_one_engine_simulator(crowd, router, config):
-    """Step for step and token for token; only TTFT and e2e also count the wait for a step under way."""
+    """Step for step and token for token (one loop runs both: the TTFTs are equal, within the bound below too)."""
     sim = SimulationConfig(engine=config)
     one = simulate(crowd, sim, check_solo=False)
     fleet = simulate_fleet(crowd, FleetConfig(replicas=1, router=router), sim, check_solo=False)

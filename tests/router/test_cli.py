@@ -26,7 +26,8 @@ BASE = ["--replica", "http://127.0.0.1:8001"]
 ROWS: dict[str, tuple[list[str], Callable[[RouterSettings], Any]]] = {
     "--replica": (["--replica", "http://a:1/", "--replica", "https://b:2"],
                   lambda s: s.replicas == ("http://a:1", "https://b:2")),
-    "--policy": (["--policy", "power_of_two"], lambda s: s.policy == "power_of_two"),
+    "--router-policy": (["--router-policy", "power_of_two"], lambda s: s.policy == "power_of_two"),
+    "--policy": (["--policy", "least_load"], lambda s: s.policy == "least_load"),  # the old name, for one release
     "--host": (["--host", "::1"], lambda s: s.host == "::1"),
     "--port": (["--port", "0"], lambda s: s.port == 0),
     "--api-key": (["--api-key", "sekret"], lambda s: s.api_key == "sekret"),
@@ -68,6 +69,14 @@ def test_every_option_has_a_row_and_the_defaults_are_the_contracts():
     assert settings_of(BASE, {"PAGODA_API_KEY": "from-env"}).api_key == "from-env"
 
 
+def test_the_old_policy_flag_still_works_and_says_once_to_use_router_policy(capsys):
+    assert settings_of([*BASE, "--policy", "round_robin"]).policy == "round_robin"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "--policy is deprecated" in err[0] and "--router-policy" in err[0]
+    assert settings_of([*BASE, "--router-policy", "round_robin"]).policy == "round_robin"
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--replica", "127.0.0.1:8001"], "not an http"),
     (["--replica", "http://a:1", "--replica", "http://a:1/"], "named twice"),
@@ -85,7 +94,8 @@ def test_bad_settings_are_refused_with_status_2(capsys, argv, message):
 @contextmanager
 def router_command(replicas, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`pagoda router` (round robin) over `replicas` in a child process; yields it and the URL it printed."""
-    cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--policy", "round_robin", "--log-level", "warning",
+    cmd = [sys.executable, "-m", "pagoda", "router", "--port", "0", "--router-policy", "round_robin", "--log-level",
+           "warning",
            *extra, *(arg for r in replicas for arg in ("--replica", r.url))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

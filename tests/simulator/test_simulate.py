@@ -112,3 +112,51 @@ def test_cli_replays_a_saved_crowd(tmp_path, capsys):
     assert main(["simulate", "--crowd", str(path), "--seed", "2", "--json"]) == 0
     second = json.loads(capsys.readouterr().out)
     assert first | WALL == second | WALL
+
+
+def test_cli_replays_a_crowd_that_holds_a_real_models_token_ids(tmp_path, capsys):
+    """A crowd recorded from real traffic holds ids far past the fake model's 256: the vocabulary widens to hold
+    them, and the crowd runs (and its follow-up, whose prompt holds the answer, too)."""
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps([
+        {"client_id": "r0", "prompt": [128000, 4747, 374, 264, 1296], "max_tokens": 6},
+        {"client_id": "r1", "arrival": 0.01, "prompt": [128000, 4747, 374, 264, 2500, 9], "max_tokens": 5,
+         "temperature": 0.8, "seed": 3},
+        {"client_id": "r2", "after": "r0", "prompt": [128006, 882], "max_tokens": 4},
+    ]))
+    assert main(["simulate", "--crowd", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completed"] == 3 and out["audit"] == "ok" and out["matches_solo"]
+    report = simulate(crowd_from_json(path.read_text()))
+    assert report.ok and report.generated_tokens == out["generated_tokens"]
+
+
+@pytest.mark.parametrize(("crowd", "said"), [
+    ('[{"client_id": "a", "prompt": [1, -3]}]', "crowd[0] (client 'a'): prompt: token id -3"),
+    ('[{"client_id": "a", "prompt": [1, 9999999999]}]', "crowd[0] (client 'a'): prompt: token id 9999999999"),
+    ('[{"client_id": "a", "prompt": [1, "x"]}]', "crowd[0] (client 'a'): prompt[1]: expected `int`, got `str`"),
+    ('[{"client_id": "a"}, {"client_id": "b", "max_tokens": "9"}]', "crowd[1] (client 'b'): max_tokens: expected"),
+    ('[{"client_id": "a", "prompt": []}]', "crowd[0] (client 'a'): prompt is empty"),
+    ('[{"client_id": "a", "top_p": 0}]', "crowd[0] (client 'a'): top_p must be in"),
+    ('[{"client_id": "a", "prompt_lenght": 3}]', "crowd[0] (client 'a') has unknown fields: ['prompt_lenght']"),
+    ('[{"client_id": "a"}, {"client_id": "a"}]', "crowd[1] (client 'a'): client_id is crowd[0]'s too"),
+    ('[{"client_id": "b", "after": "a"}]', "crowd[0] (client 'b'): after: it follows 'a'"),
+    ('[{"prompt": [1]}]', "crowd[0] (client None): Object missing required field `client_id`"),
+    ('[3]', "crowd[0] must be an object"),
+    ('{"client_id": "a"}', "a crowd is a JSON list"),
+    ('[{"client_id": ', "a crowd is JSON"),
+])
+def test_cli_refuses_a_bad_crowd_file_in_one_line_with_status_2(tmp_path, capsys, crowd, said):
+    path = tmp_path / "crowd.json"
+    path.write_text(crowd)
+    assert main(["simulate", "--crowd", str(path), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"pagoda simulate: --crowd {path}: ") and said in err, err
+
+
+def test_cli_refuses_a_missing_crowd_file_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "pagoda", "simulate", "--crowd", "/no/such/crowd.json"],
+                          capture_output=True, text=True, check=False)
+    said = "pagoda simulate: --crowd /no/such/crowd.json: [Errno 2] No such file or directory: '/no/such/crowd.json'"
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.splitlines() == [said]
