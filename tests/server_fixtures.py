@@ -29,12 +29,9 @@ TINY_NAME = "tiny-random"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def write_tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A Hugging Face directory: the tiny Llama shape with random weights and `tokenizer_dir`'s tokenizer."""
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    c = named_config("tiny", vocab_size=vocab)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({
+def write_llama_config(model_dir: Path, c) -> None:
+    """A Llama's config.json in Hugging Face's names, from a ModelConfig `c`."""
+    (model_dir / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
@@ -42,6 +39,14 @@ def write_tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
     }))
+
+
+def write_tiny_model_dir(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A Hugging Face directory: the tiny Llama shape with random weights and `tokenizer_dir`'s tokenizer."""
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    c = named_config("tiny", vocab_size=vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    write_llama_config(out, c)
     g = torch.Generator().manual_seed(seed)
     h, hd = c.hidden_size, c.head_dim
 

@@ -11,7 +11,7 @@ prompts, no drafts) on the default model in float32. Per step: the median wall t
 layers and the embedding, the logits gather, the plan broadcast). Compute is the rest of the step.
 
 Projected (`project`): a decode step as weights streamed from memory plus its all-reduces on the link,
-with the assumptions printed beside the figures (docs/performance.md, "Tensor parallelism").
+with the assumptions printed beside the figures (docs/performance/2026-12-02-tensor-parallelism.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ switches at all on a Zen 4. So before an engine serves, it measures:
   size is a run of calls each of a proven size, so every row gets its alone bits at every row count, with
   no bound to prove beyond PROBE_ROWS. A call of fewer rows is never slower, so a machine whose kernels
   never switch loses nothing; one that switches at 33 pays about 1.3x on a 64-row product, where capping
-  oneDNN's ISA would cost 7.5x and padding every call to 64 rows 2.4x on a lone row (docs/performance.md).
+  oneDNN's ISA would cost 7.5x and padding every call to 64 rows 2.4x on a lone row (docs/architecture.md).
 - The result is cached per machine (the CPU's model and flags, torch's version, oneDNN's ISA cap, the
   thread count) and per shape in $PAGODA_HOME/invariance, so the second start costs nothing.
 

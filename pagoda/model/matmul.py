@@ -93,7 +93,7 @@ INT4 = MatmulKernel("int4", 1, quantize.int4_linear, quantize.quantize_int4)
 # (pagoda/kernels/cpu_int_matmul.cpp): every output element is one fixed instruction sequence whatever
 # the row count, tile or thread, so no padding. `--quantization int8` takes it where it builds.
 # It streams about 13 GB/s on one thread; waking the second costs ~0.2 ms on the 2-core CI machine, so
-# products under 16M multiply-adds stay on one thread (docs/performance.md, "pagoda's C++ CPU kernels").
+# products under 16M multiply-adds stay on one thread (docs/performance/2026-12-02-cpp-cpu-kernels.md).
 INT8_AVX2 = MatmulKernel("int8_avx2", 1, quantize.int8_avx2_linear, quantize.quantize_int8_float_scales,
                          min_parallel_work=16 << 20)
 

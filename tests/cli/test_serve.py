@@ -1,12 +1,16 @@
 """Every `pagoda serve` option reaches what it configures: parsed, then built into the settings and the engine
-config exactly as `serve` builds them (no model is loaded). An option without a row here fails the test."""
+config exactly as `serve` builds them, and each checked where its value is used: the engine config the engine
+reads, the settings the HTTP server reads, the arguments the engine's assembly hands the model loader (a
+stand-in stops the load there, so no model is loaded). An option without a row here fails the test."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -16,8 +20,30 @@ from pagoda.cli.data_parallel import DataParallelOptions, data_parallel_options
 from pagoda.cli.main import build_parser
 from pagoda.cli.serve import engine_options, serve_settings
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
+from pagoda.model import hub, loader
 from pagoda.model.config import named_config
-from pagoda.model.factory import EngineOptions, engine_config
+from pagoda.model.factory import EngineOptions, build_engine, engine_config
+from pagoda.model.ranks import group_size
+from tests.server_fixtures import write_llama_config
+
+TINY = named_config("tiny")
+
+
+class Stop(Exception):
+    """Raised by a stand-in once the value a row checks has reached it: nothing past it runs."""
+
+
+def arguments_to(module: Any, name: str, call: Callable[[], Any]) -> tuple[tuple, dict]:
+    """The arguments `call` hands `module.name`, whose stand-in stops the call there."""
+    seen = []
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        seen.append((args, kwargs))
+        raise Stop
+
+    with mock.patch.object(module, name, stand_in), pytest.raises(Stop):
+        call()
+    return seen[0]
 
 
 @dataclass
@@ -28,33 +54,62 @@ class Built:
     settings: ServeSettings
     config: EngineConfig
     data_parallel: DataParallelOptions
+    model_dir: Path
+
+    def resolved_model(self) -> str:
+        """The model `build_engine` (what `pagoda serve` calls) asks the hub to resolve."""
+        args, _ = arguments_to(hub, "resolve_model", lambda: build_engine(self.options, progress=False))
+        return args[0]
+
+    def load(self) -> dict[str, Any]:
+        """What the model loader is handed for these options, where `load_engine` loads a model (`load_shard`):
+        the device name it resolves, then `load_model`'s keyword arguments (dtype, device, quantization, ...)."""
+        devices = []
+
+        def resolve_device(device: Any) -> torch.device:
+            devices.append(device)
+            return torch.device("cpu")  # what the load then runs on is the next question, not this one
+
+        with mock.patch.object(loader, "resolve_device", resolve_device):
+            _, kwargs = arguments_to(loader, "load_model", lambda: loader.load_shard(self.model_dir, self.options))
+        return {"device_asked": devices[0], **kwargs}
+
+
+def write_tiny_config(model_dir: Path) -> None:
+    """The tiny Llama's config.json, all `load_shard` reads before it loads weights."""
+    write_llama_config(model_dir, TINY)
 
 
 def build(argv: list[str], model_dir: Path, environ: dict[str, str] | None = None) -> Built:
     args = build_parser().parse_args(["serve", *argv])
     options = engine_options(args)
-    config = engine_config(options, named_config("tiny"), torch.float32, torch.device("cpu"))
-    return Built(options, serve_settings(args, model_dir, environ or {}), config, data_parallel_options(args))
+    config = engine_config(options, TINY, torch.float32, torch.device("cpu"))
+    return Built(options, serve_settings(args, model_dir, environ or {}), config, data_parallel_options(args),
+                 model_dir)
 
 
-# option -> (its arguments, what must hold of what they built)
+# option -> (its arguments, what must hold where the value is used: the engine config the engine reads, the
+# settings the server reads, what the engine's assembly hands the hub, the loader or the tensor-parallel group)
 ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
-    "--model": (["--model", "/models/m"], lambda b: b.options.model == "/models/m"),
+    "--model": (["--model", "/models/m"], lambda b: b.resolved_model() == "/models/m"),
     "--host": (["--host", "::1"], lambda b: b.settings.host == "::1"),
     "--port": (["--port", "0"], lambda b: b.settings.port == 0),
-    "--device": (["--device", "cpu"], lambda b: b.options.device == "cpu"),
-    "--dtype": (["--dtype", "bfloat16"], lambda b: b.options.dtype == "bfloat16"),
-    "--quantization": (["--quantization", "int8"], lambda b: b.options.quantization == "int8"),
+    "--device": (["--device", "cpu"], lambda b: b.load()["device_asked"] == "cpu"),
+    "--dtype": (["--dtype", "float16"], lambda b: b.load()["dtype"] == torch.float16),
+    "--quantization": (["--quantization", "int8"], lambda b: b.load()["quantization"] == "int8"),
     "--block-size": (["--block-size", "32"], lambda b: b.config.block_size == 32),
     "--num-blocks": (["--num-blocks", "77"], lambda b: b.config.num_blocks == 77),
     "--max-running": (["--max-running", "5"], lambda b: b.config.max_running == 5),
     "--max-batched-tokens": (["--max-batched-tokens", "123"], lambda b: b.config.max_batched_tokens == 123),
     "--max-model-len": (["--max-model-len", "100"], lambda b: b.config.max_model_len == 100),
     "--no-prefix-caching": (["--no-prefix-caching"], lambda b: b.config.enable_prefix_caching is False),
-    "--batch-invariant": (["--batch-invariant"], lambda b: b.options.batch_invariant is True and b.config.batch_invariant),
+    # on by default on the CPU (the config built here); the flag turns it on for CUDA, where the engine config and
+    # the loader ask `invariant_on`
+    "--batch-invariant": (["--batch-invariant"],
+                          lambda b: b.config.batch_invariant and b.options.invariant_on(torch.device("cuda"))),
     "--no-batch-invariant": (["--no-batch-invariant"], lambda b: b.config.batch_invariant is False),
-    "--cuda-graphs": (["--cuda-graphs"], lambda b: b.options.cuda_graphs is True and b.config.cuda_graphs),
-    "--no-cpu-graphs": (["--no-cpu-graphs"], lambda b: b.options.cpu_graphs is False and not b.config.cpu_graphs),
+    "--cuda-graphs": (["--cuda-graphs"], lambda b: b.config.cuda_graphs is True),
+    "--no-cpu-graphs": (["--no-cpu-graphs"], lambda b: b.config.cpu_graphs is False),
     "--api-key": (["--api-key", "sekret"], lambda b: b.settings.api_key == "sekret"),
     "--api-keys-file": (["--api-keys-file", "keys.toml"], lambda b: b.settings.api_keys_file == "keys.toml"),
     "--disconnect-policy": (["--disconnect-policy", "finish"], lambda b: b.settings.disconnect_policy == "finish"),
@@ -62,7 +117,7 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--send-stall-timeout": (["--send-stall-timeout", "3.5"], lambda b: b.settings.send_stall_timeout == 3.5),
     "--send-buffer-size": (["--send-buffer-size", "4096"], lambda b: b.settings.send_buffer_size == 4096),
     "--max-waiting": (["--max-waiting", "9"], lambda b: b.config.max_waiting == 9),
-    "--scheduling-policy": (["--scheduling-policy", "fair"], lambda b: b.options.scheduling_policy == "fair"),
+    "--scheduling-policy": (["--scheduling-policy", "fair"], lambda b: b.config.scheduling_policy == "fair"),
     "--max-body-bytes": (["--max-body-bytes", "1000"], lambda b: b.settings.max_body_bytes == 1000),
     "--max-header-bytes": (["--max-header-bytes", "2000"], lambda b: b.settings.max_header_bytes == 2000),
     "--request-read-timeout": (["--request-read-timeout", "4.5"], lambda b: b.settings.request_read_timeout == 4.5),
@@ -81,9 +136,10 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--speculative-config": (["--speculative-config", '{"num_speculative_tokens": 2, "max_extra_rows": 4}'],
                              lambda b: b.config.speculative == SpeculativeConfig(num_speculative_tokens=2,
                                                                                  max_extra_rows=4)),
-    "--tensor-parallel-size": (["--tensor-parallel-size", "2"], lambda b: b.options.tensor_parallel_size == 2),
-    "--distributed-backend": (["--distributed-backend", "nccl"], lambda b: b.options.distributed_backend == "nccl"),
-    "--distributed-timeout": (["--distributed-timeout", "5"], lambda b: b.options.distributed_timeout == 5),
+    # `load_engine` sizes the group with `group_size(options.parallel)` and starts the ranks with `options.parallel`
+    "--tensor-parallel-size": (["--tensor-parallel-size", "2"], lambda b: group_size(b.options.parallel, {}) == 2),
+    "--distributed-backend": (["--distributed-backend", "nccl"], lambda b: b.options.parallel.backend == "nccl"),
+    "--distributed-timeout": (["--distributed-timeout", "5"], lambda b: b.options.parallel.timeout_s == 5),
     "--data-parallel-size": (["--data-parallel-size", "3"], lambda b: b.data_parallel.size == 3),
     "--router-policy": (["--router-policy", "least_load"], lambda b: b.data_parallel.router_policy == "least_load"),
     "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
@@ -105,6 +161,7 @@ def test_every_option_has_a_row():
 @pytest.mark.parametrize("option", sorted(ROWS))
 def test_the_option_lands_where_it_belongs(option, tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))  # a model that has defaults
+    write_tiny_config(tmp_path)
     argv, holds = ROWS[option]
     default = build([], tmp_path)
     assert not holds(default), f"{option}: the row's check already holds without the option"  # the row can fail
