@@ -48,7 +48,7 @@ TORCH_FREE = ["core/request.py", "core/block_manager.py", "core/block_hash.py", 
               "core/constraint.py", "core/routing.py", "plugins/protocol.py", "plugins/request_fields.py",
               "plugins/hookspecs.py", "plugins/manager.py", "plugins/client.py", "plugins/route.py",
               "plugins/disconnect.py", "plugins/tools.py", "plugins/tool_stream.py", "plugins/tool_render.py",
-              "plugins/error_shapes.py", "plugins/choices.py", "plugins/architecture.py"]
+              "plugins/error_shapes.py", "plugins/choices.py", "plugins/architecture.py", "plugins/turn.py"]
 # The router (a process that forwards bytes) and the modules it shares with the server: no engine behind them.
 ENGINE = ("pagoda.core.engine", "pagoda.core.async_engine")
 NO_ENGINE = ["api/http_errors.py", "api/body.py", "api/tenants.py", "api/stream_writer.py", "api/server.py",

@@ -23,9 +23,10 @@ body, the API key, calling the engine, the disconnect race and the abort,
 turning exceptions into `ApiError`s rendered by the route's ErrorShape with
 the right status, encoding events as SSE or NDJSON, metrics and the access
 log. So a protocol module holds only its wire format. The fields a protocol
-reads into a request are checked with pagoda.plugins.request_fields; tools with
-pagoda.plugins.tools, and an answer read for tool calls is rendered through
-pagoda.plugins.tool_render.
+reads into a request are checked with pagoda.plugins.request_fields; the built-in
+protocols read a body into a pagoda.plugins.turn.Turn, which `engine_request`
+checks (tools included) and makes the EngineRequest of, and an answer read for
+tool calls is rendered through pagoda.plugins.tool_render.
 """
 
 from __future__ import annotations

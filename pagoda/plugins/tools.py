@@ -1,6 +1,7 @@
 """Tools as the protocols share them: the tool list, the choice, and the parser type a model family's format plugs into.
 
-A protocol reads its own fields into `Tool`s and a `ToolChoice`; a `ToolParser` (registered by a plugin through
+A protocol reads its own fields into `Tool`s and a `ToolChoice` (pagoda/plugins/turn.py checks them together and
+asks the parser for the constraint); a `ToolParser` (registered by a plugin through
 `pagoda_register_tool_parsers`, picked by `pagoda serve --tool-parser NAME`) owns everything about the model's
 call syntax: the default prompt that teaches it to a model whose chat template knows no tools, how a past call
 is written back into the prompt, the constraint that forces a valid call, and reading calls out of the text,
@@ -66,18 +67,6 @@ def check_schema(schema: Any, field: str) -> dict[str, Any]:
     except jsonschema.SchemaError as exc:
         raise RequestError(f"{field} is not a valid JSON schema: {exc.message}", field) from None
     return dict(schema)
-
-
-def check_tools(tools: Sequence[Tool], choice: ToolChoice, field: str, choice_field: str) -> None:
-    """Names are unique and a named choice names one of them."""
-    names = [t.name for t in tools]
-    for i, name in enumerate(names):
-        if not name or names.index(name) != i:
-            raise RequestError(f"{field}[{i}]: tool names must be non-empty and unique, got {name!r}", field)
-    if choice.mode == "named" and choice.name not in names:
-        raise RequestError(f"{choice_field} names {choice.name!r}, which is not in {field}", choice_field)
-    if choice.forced and not tools:
-        raise RequestError(f"{choice_field} {choice.mode!r} needs at least one tool in {field}", choice_field)
 
 
 class ToolParser:
@@ -181,20 +170,6 @@ def require_parser(parser: ToolParser | None) -> ToolParser:
     if parser is None:
         raise RequestError("this server has no tool parser (pagoda serve --tool-parser NAME)", "tools")
     return parser
-
-
-def tool_use(parser: ToolParser | None, tools: Sequence[Tool], choice: ToolChoice, constraint: Constraint | None,
-             format_field: str) -> tuple[Constraint | None, ToolParser | None, list[Tool]]:
-    """What a request's tools ask of the engine, given the server's parser: (the constraint, the parser that reads
-    the answer, the tools the prompt lists). No tools, or choice none: the output format's constraint alone, plain
-    text."""
-    if choice.mode == "none" or not tools:
-        return constraint, None, []
-    if constraint is not None:
-        raise RequestError(f"{format_field} cannot be combined with tools: a call's arguments already follow its"
-                           " schema", format_field)
-    parser = require_parser(parser)
-    return parser.constraint(tools, choice), parser, list(tools)
 
 
 class CallHistory:

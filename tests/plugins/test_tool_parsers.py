@@ -9,7 +9,8 @@ from pagoda.plugins.builtin.tool_parsers import HERMES, LLAMA3_JSON
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.manager import PluginError, collect_tool_parsers, describe_plugins, load_plugins
 from pagoda.plugins.request_fields import RequestError
-from pagoda.plugins.tools import Tool, ToolChoice, ToolParser, check_schema, check_tools, plain_messages
+from pagoda.plugins.tools import Tool, ToolChoice, ToolParser, check_schema, plain_messages
+from pagoda.plugins.turn import check_tools
 from pagoda.plugins.tool_stream import ArgumentsDelta, CallEnded, CallStarted, ParsedCall, TextDelta, collect
 
 WEATHER = Tool("get_weather", "the weather in a city",

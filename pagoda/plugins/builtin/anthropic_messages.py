@@ -22,9 +22,10 @@ from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Answer, ApiError, CacheSalt, Endpoint, EngineRequest, ErrorShape, Event, Exchange
 from pagoda.plugins.protocol import Priority, ServeContext
-from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.request_fields import RequestError, join_text_parts
 from pagoda.plugins.route import Route, RouteContext, ServedModel
-from pagoda.plugins.tools import CallHistory, tool_use
+from pagoda.plugins.tools import CallHistory
+from pagoda.plugins.turn import Turn, engine_request
 
 
 class TextBlock(msgspec.Struct):
@@ -109,6 +110,29 @@ def conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def messages_turn(body: MessagesRequest) -> Turn:
+    """The body as a turn: system and messages, tools, choice, output format and sampling fields."""
+    tools = at.tools_of(body.tools)
+    choice, choice_field = at.choice_of(body.tool_choice, tools)
+    constraint = at.output_format(body.output_config)
+    return Turn(
+        messages=conversation(body),
+        tools=tools,
+        tool_choice=choice,
+        constraint=constraint,
+        max_tokens=body.max_tokens,
+        sampling=dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                      repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, seed=body.seed,
+                      stop=body.stop_sequences),
+        stream=body.stream,
+        cache_salt=body.cache_salt,
+        priority=body.priority,
+        choice_field=choice_field,
+        format_field="output_config.format",
+        renames={"stop": "stop_sequences"},
+    )
+
+
 def stop_reason(completion_reason: FinishReason, matched: str | int | None) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) for a finished request."""
     if completion_reason is FinishReason.LENGTH:
@@ -152,26 +176,7 @@ class Messages(Endpoint):
     errors = ANTHROPIC_ERRORS
 
     def prepare(self, body: MessagesRequest, ctx: ServeContext) -> EngineRequest:
-        tools = at.tools_of(body.tools)
-        constraint, parser, listed = tool_use(ctx.tool_parser, tools, at.choice_of(body.tool_choice, tools),
-                                              at.output_format(body.output_config), "output_config.format")
-        ids = ctx.encode_chat(conversation(body), listed)
-        params = make_sampling_params(
-            {"stop": "stop_sequences"},
-            limits=ctx.limits,
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            ignore_eos=body.ignore_eos,
-            seed=body.seed,
-            stop=body.stop_sequences,
-            constraint=constraint,
-        )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser,
-                             priority=body.priority)
+        return engine_request(messages_turn(body), ctx)
 
     def _message(self, exchange: Exchange, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
                  output_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pagoda.core.constraint import Constraint
 from pagoda.plugins.protocol import Event, Exchange
 from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.tool_render import ToolRenderer
-from pagoda.plugins.tools import CallHistory, Tool, ToolChoice, check_schema, check_tools
+from pagoda.plugins.tools import CallHistory, Tool, ToolChoice, check_schema
 
 
 class AnthropicTool(msgspec.Struct, kw_only=True):
@@ -60,15 +60,15 @@ def tools_of(tools: list[AnthropicTool] | None) -> list[Tool]:
     return out
 
 
-def choice_of(raw: AnthropicToolChoice | None, tools: list[Tool]) -> ToolChoice:
-    """Anthropic's choice as pagoda's: auto -> auto, any -> required, tool -> named, none -> none."""
+def choice_of(raw: AnthropicToolChoice | None, tools: list[Tool]) -> tuple[ToolChoice, str]:
+    """Anthropic's choice as pagoda's (auto -> auto, any -> required, tool -> named, none -> none), and the field a
+    bad one is named by (the turn checks it against the tools)."""
     raw = raw or AnthropicToolChoice(type="auto" if tools else "none")
     if raw.type == "tool" and not raw.name:
         raise RequestError("tool_choice.name is required for type tool", "tool_choice.name")
     mode = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[raw.type]
     choice = ToolChoice(mode, raw.name if raw.type == "tool" else None, not raw.disable_parallel_tool_use)
-    check_tools(tools, choice, "tools", "tool_choice.name" if raw.type == "tool" else "tool_choice")
-    return choice
+    return choice, "tool_choice.name" if raw.type == "tool" else "tool_choice"
 
 
 def output_format(config: OutputConfig | None) -> Constraint | None:

@@ -14,10 +14,11 @@ from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Answer, Endpoint, EngineRequest, Event, Exchange, ServeContext
-from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.request_fields import RequestError, join_text_parts
 from pagoda.plugins.route import ServedModel
 from pagoda.plugins.tool_render import ToolRenderer
-from pagoda.plugins.tools import CallHistory, parse_arguments, tool_use
+from pagoda.plugins.tools import CallHistory, parse_arguments
+from pagoda.plugins.turn import Turn, engine_request
 
 
 class ContentPart(msgspec.Struct):
@@ -97,6 +98,30 @@ def template_messages(messages: list[ChatMessage], field: str = "messages") -> l
     return out
 
 
+def chat_turn(body: ChatRequest) -> Turn:
+    """The body as a turn: its messages, tools, choice, response format and sampling fields."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
+    tools = ot.chat_tools(body.tools)
+    choice, choice_field = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+    constraint = ot.response_format(body.response_format)
+    return Turn(
+        messages=template_messages(body.messages),
+        tools=tools,
+        tool_choice=choice,
+        constraint=constraint,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        sampling=dict(body.sampling_fields(), logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                      prompt_logprobs=body.prompt_logprobs),
+        n=body.n,
+        stream=body.stream,
+        cache_salt=body.cache_salt,
+        priority=body.priority,
+        choice_field=choice_field,
+        format_field="response_format",
+    )
+
+
 class ChatCompletions(oc.Choices, Endpoint):
     name = "openai-chat"
     protocol = "chat"
@@ -106,24 +131,7 @@ class ChatCompletions(oc.Choices, Endpoint):
     errors = OPENAI_ERRORS
 
     def prepare(self, body: ChatRequest, ctx: ServeContext) -> EngineRequest:
-        if body.top_logprobs is not None and not body.logprobs:
-            raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
-        tools = ot.chat_tools(body.tools)
-        choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
-        constraint, parser, listed = tool_use(ctx.tool_parser, tools, choice,
-                                              ot.response_format(body.response_format), "response_format")
-        ids = ctx.encode_chat(template_messages(body.messages), listed)
-        max_tokens = body.max_completion_tokens or body.max_tokens or ctx.default_max_tokens(len(ids))
-        params = make_sampling_params(
-            limits=ctx.limits,
-            max_tokens=max_tokens,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            prompt_logprobs=body.prompt_logprobs,
-            constraint=constraint,
-            **body.sampling_fields(),
-        )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser, n=body.n,
-                             priority=body.priority)
+        return engine_request(chat_turn(body), ctx)
 
     def _logprobs(self, exchange: Exchange, tokens) -> dict[str, Any] | None:
         return {"content": oc.chat_logprobs(exchange, tokens)} if exchange.body.logprobs else None

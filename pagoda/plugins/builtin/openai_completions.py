@@ -12,12 +12,13 @@ from pagoda.plugins.client import ClientRequest
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Answer, Endpoint, EngineRequest, Event, Exchange, ServeContext
-from pagoda.plugins.request_fields import RequestError, make_sampling_params
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import ServedModel
+from pagoda.plugins.turn import Turn, engine_request
 
 
 class CompletionRequest(oc.SamplingFields, kw_only=True):
-    # str, [str], [int] or [[int]]: msgspec cannot tell list types apart in a union, so `prompt_ids` checks it.
+    # str, [str], [int] or [[int]]: msgspec cannot tell list types apart in a union, so `prompts` checks it.
     prompt: str | list[Any]
     max_tokens: oc.NonNegativeInt | None = None  # 0: score the prompt only (echo with logprobs, or prompt_logprobs)
     logprobs: oc.TopLogprobs | None = None
@@ -33,17 +34,18 @@ class CompletionRequest(oc.SamplingFields, kw_only=True):
     guided_grammar: str | None = None
 
 
-def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[list[int]]:
-    """Each prompt's token ids, in order: a string, a list of strings, a list of token ids, or a list of those lists.
+def prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """Each prompt, in order, as text or token ids: a string, a list of strings, a list of token ids, or a list of
+    those lists.
 
     A list is one of these all through: text and token ids mixed (`[[1, 2], "x"]`, `[1, "x"]`) are refused, as
     OpenAI refuses them."""
     if isinstance(prompt, str):
-        return [ctx.encode(prompt)]
+        return [prompt]
     if prompt and all(_is_token_id(t) for t in prompt):
         return [list(prompt)]
     if prompt and all(isinstance(p, str) for p in prompt):
-        return [ctx.encode(p) for p in prompt]
+        return list(prompt)
     if prompt and all(isinstance(p, list) for p in prompt):
         for i, p in enumerate(prompt):
             if not (p and all(_is_token_id(t) for t in p)):
@@ -51,6 +53,19 @@ def prompt_ids(prompt: str | list[Any], ctx: ServeContext) -> list[list[int]]:
         return [list(p) for p in prompt]
     raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists,"
                        " not a mix of them", "prompt")
+
+
+def completion_turns(body: CompletionRequest) -> list[Turn]:
+    """The body as turns, one per prompt (and per choice: choices.fan_out), sharing the constraint and sampling."""
+    if body.best_of not in (None, 1):
+        raise RequestError("best_of must be 1", "best_of")
+    if body.suffix:
+        raise RequestError("suffix (insertion) is not supported", "suffix")
+    constraint = ot.guided(body)
+    sampling = dict(body.sampling_fields(), logprobs=body.logprobs, prompt_logprobs=_prompt_logprobs(body))
+    return [Turn(prompt=prompt, constraint=constraint, max_tokens=body.max_tokens, sampling=sampling, n=body.n,
+                 stream=body.stream, cache_salt=body.cache_salt, priority=body.priority)
+            for prompt in prompts(body.prompt)]
 
 
 def _prompt_logprobs(body: CompletionRequest) -> int | None:
@@ -72,23 +87,9 @@ class Completions(oc.Choices, Endpoint):
     errors = OPENAI_ERRORS
 
     def prepare(self, body: CompletionRequest, ctx: ServeContext) -> list[EngineRequest]:
-        if body.best_of not in (None, 1):
-            raise RequestError("best_of must be 1", "best_of")
-        if body.suffix:
-            raise RequestError("suffix (insertion) is not supported", "suffix")
-        constraint = ot.guided(body)
         requests = []
-        for ids in prompt_ids(body.prompt, ctx):  # one engine request per prompt (and per choice: choices.fan_out)
-            params = make_sampling_params(
-                limits=ctx.limits,
-                max_tokens=ctx.default_max_tokens(len(ids)) if body.max_tokens is None else body.max_tokens,
-                logprobs=body.logprobs,
-                prompt_logprobs=_prompt_logprobs(body),
-                constraint=constraint,
-                **body.sampling_fields(),
-            )
-            requests.append(EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, n=body.n,
-                                          priority=body.priority))
+        for turn in completion_turns(body):
+            requests.append(engine_request(turn, ctx))
         return requests
 
     def _echo(self, exchange: Exchange) -> str:

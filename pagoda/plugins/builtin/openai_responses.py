@@ -24,9 +24,10 @@ from pagoda.plugins.client import ClientAnswer, ClientError, ClientRequest
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.plugins.protocol import Answer, ApiError, Endpoint, EngineRequest, Event, Exchange, ServeContext
-from pagoda.plugins.request_fields import RequestError, join_text_parts, make_sampling_params
+from pagoda.plugins.request_fields import RequestError, join_text_parts
 from pagoda.plugins.route import ServedModel
-from pagoda.plugins.tools import CallHistory, tool_use
+from pagoda.plugins.tools import CallHistory
+from pagoda.plugins.turn import Turn, engine_request
 
 
 class InputContent(msgspec.Struct):
@@ -93,6 +94,27 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def responses_turn(body: ResponsesRequest) -> Turn:
+    """The body as a turn: instructions and input items, tools, choice, text format and sampling fields."""
+    tools = ot.responses_tools(body.tools)
+    choice, choice_field = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+    constraint = ot.text_format(body.text)
+    return Turn(
+        messages=conversation(body),
+        tools=tools,
+        tool_choice=choice,
+        constraint=constraint,
+        max_tokens=body.max_output_tokens,
+        sampling=dict(body.sampling_fields(), logprobs=body.top_logprobs),
+        stream=body.stream,
+        cache_salt=body.cache_salt,
+        priority=body.priority,
+        choice_field=choice_field,
+        format_field="text.format",
+        renames={"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
+    )
+
+
 class Responses(Endpoint):
     name = "openai-responses"
     protocol = "responses"
@@ -102,20 +124,7 @@ class Responses(Endpoint):
     errors = OPENAI_ERRORS
 
     def prepare(self, body: ResponsesRequest, ctx: ServeContext) -> EngineRequest:
-        tools = ot.responses_tools(body.tools)
-        choice = ot.tool_choice(body.tool_choice, tools, body.parallel_tool_calls, "tool_choice")
-        constraint, parser, listed = tool_use(ctx.tool_parser, tools, choice, ot.text_format(body.text), "text.format")
-        ids = ctx.encode_chat(conversation(body), listed)
-        params = make_sampling_params(
-            {"max_tokens": "max_output_tokens", "logprobs": "top_logprobs"},
-            limits=ctx.limits,
-            max_tokens=body.max_output_tokens or ctx.default_max_tokens(len(ids)),
-            logprobs=body.top_logprobs,
-            constraint=constraint,
-            **body.sampling_fields(),
-        )
-        return EngineRequest(ids, params, stream=body.stream, cache_salt=body.cache_salt, tool_parser=parser,
-                             priority=body.priority)
+        return engine_request(responses_turn(body), ctx)
 
     # -- shapes ----------------------------------------------------------
     def _message_id(self, exchange: Exchange) -> str:

@@ -8,8 +8,8 @@
                 text.format: {"type": "text" | "json_object" | "json_schema", name, schema, strict}
     completions response_format as chat's, or one of guided_json / guided_regex / guided_choice / guided_grammar
 
-Every field becomes a `Constraint` (pagoda/core/constraint.py) or a `ToolChoice` with its `Tool`s; a bad one is
-a RequestError naming it.
+Every field becomes a `Constraint` (pagoda/core/constraint.py) or a `ToolChoice` with its `Tool`s, parts of the
+endpoint's `Turn` (pagoda/plugins/turn.py); a bad one is a RequestError naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import msgspec
 
 from pagoda.core.constraint import Constraint
 from pagoda.plugins.request_fields import RequestError
-from pagoda.plugins.tools import Tool, ToolChoice, check_schema, check_tools
+from pagoda.plugins.tools import Tool, ToolChoice, check_schema
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -161,15 +161,11 @@ def responses_tools(tools: list[ResponsesTool] | None) -> list[Tool]:
 
 
 def tool_choice(raw: ChoiceMode | ChatNamedChoice | ResponsesNamedChoice | None, tools: list[Tool],
-                parallel: bool | None, choice_field: str) -> ToolChoice:
-    """The choice (default: auto with tools, none without), checked against the tools."""
+                parallel: bool | None) -> tuple[ToolChoice, str]:
+    """The choice (default: auto with tools, none without) and the field a bad one is named by (the turn checks it
+    against the tools)."""
     if isinstance(raw, ChatNamedChoice):
-        choice = ToolChoice("named", raw.function.name, parallel is not False)
-        choice_field += ".function.name"
-    elif isinstance(raw, ResponsesNamedChoice):
-        choice = ToolChoice("named", raw.name, parallel is not False)
-        choice_field += ".name"
-    else:
-        choice = ToolChoice(raw or ("auto" if tools else "none"), None, parallel is not False)
-    check_tools(tools, choice, "tools", choice_field)
-    return choice
+        return ToolChoice("named", raw.function.name, parallel is not False), "tool_choice.function.name"
+    if isinstance(raw, ResponsesNamedChoice):
+        return ToolChoice("named", raw.name, parallel is not False), "tool_choice.name"
+    return ToolChoice(raw or ("auto" if tools else "none"), None, parallel is not False), "tool_choice"
