@@ -112,11 +112,17 @@ class Grammars:
     def _compile(self, constraint: Constraint) -> Any:
         compiler = self._get_compiler()
         try:
-            return _compile(compiler, constraint, self.any_whitespace)
+            compiled = _compile(compiler, constraint, self.any_whitespace)
         except ConstraintError:
             raise
         except Exception as exc:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
             raise ConstraintError(constraint.field, f"{constraint.field}: {_describe(exc)}") from exc
+        # An output no token of this vocabulary can begin (a character none of its tokens holds) is the request's
+        # to fix: refused here, once per compiled grammar, rather than failing its request at the first token.
+        if not bool(self.matcher(compiled).allowed().any()):
+            raise ConstraintError(constraint.field, f"{constraint.field}: no token of this model's vocabulary can"
+                                                    " begin the output it asks for")
+        return compiled
 
 
 def _check(constraint: Constraint) -> None:

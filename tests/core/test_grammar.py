@@ -69,6 +69,7 @@ def test_equal_constraints_compile_once_and_the_lru_evicts():
     (Constraint("regex", "(ab", "regex"), "parenthesis"),
     (Constraint("grammar", "root ::= missing", "grammar"), "missing"),
     (Constraint("choice", "[]", "tool_choice"), "non-empty list"),
+    (Constraint("regex", "-c", "guided_regex"), "no token of this model's vocabulary can begin"),  # no '-' here
 ])
 def test_a_constraint_the_compiler_cannot_handle_is_refused_naming_its_field(constraint, named):
     e = engine()
