@@ -86,7 +86,9 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
             for client in [health_client, *(r.client for r in fleet.replicas if r.client is not None)]:
                 await client.aclose()
 
-    app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None)
+    # logging is the command's (pagoda router sets it up), as the server's: Litestar's default adds a root handler
+    app = Litestar([health, router_metrics, forward], lifespan=[replicas_open], openapi_config=None,
+                   logging_config=None)
     app.state.fleet = fleet  # read by tests and by whoever embeds a router
 
     async def drain() -> None:
