@@ -39,6 +39,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, (EngineDeadError, RequestAborted)):
         return ApiError(503, f"the engine cannot serve this request: {exc}")
     if isinstance(exc, GenerationError):
+        if exc.field is not None:  # the request's own field made it fail (a constraint the vocabulary cannot follow)
+            return ApiError(400, f"generation failed: {exc}", exc.field)
         return ApiError(500, f"generation failed: {exc}")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return ApiError(500, f"internal server error ({type(exc).__name__})")

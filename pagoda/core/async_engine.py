@@ -53,7 +53,12 @@ class EngineDeadError(RuntimeError):
 
 
 class GenerationError(RuntimeError):
-    """The model step running this request failed; the request has ended."""
+    """The model step running this request failed; the request has ended. `field`: the request field that made
+    it fail (a constraint its model's vocabulary cannot follow), or None for the server's own failure."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class RequestAborted(RuntimeError):
@@ -150,7 +155,7 @@ class AsyncEngine:
                     raise item
                 finished = item.finished
                 if item.finish_reason is FinishReason.ERROR:
-                    raise GenerationError(item.error or "the model step failed")
+                    raise GenerationError(item.error or "the model step failed", item.error_field)
                 if item.finish_reason is FinishReason.ABORT:
                     raise RequestAborted(f"request {request_id} was aborted by the server")
                 yield item

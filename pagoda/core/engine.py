@@ -15,7 +15,7 @@ from typing import Any
 
 from pagoda.core import speculative
 from pagoda.core.batch import ModelRunner, RunnerLost, ScheduledChunk, SchedulerOutput
-from pagoda.core.constraint import Constraint
+from pagoda.core.constraint import Constraint, ConstraintError
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.grammar import CompileQueue, Grammars
@@ -135,7 +135,7 @@ class Engine:
         if not future.done():
             self.compiling.hold(request, future)
             return
-        request.grammar = self.grammars.matcher(future.result())  # raises the compile's ConstraintError
+        request.grammar = self.grammars.matcher(future.result(), constraint.field)  # raises the compile's error
         self.scheduler.add(request)
 
     def compile_constraint(self, constraint: Constraint) -> Future[Any]:
@@ -186,7 +186,7 @@ class Engine:
         outputs = [self._fail_request(request, exc) for request, exc in self.compiling.failures()]
         for request, compiled in self.compiling.ready():
             try:
-                request.grammar = self.grammars.matcher(compiled)
+                request.grammar = self.grammars.matcher(compiled, request.sampling_params.constraint.field)
                 self.scheduler.add(request)
                 self.compiling.discard(request)
             except Exception as exc:
@@ -318,7 +318,9 @@ class Engine:
             self._finish(request, FinishReason.ERROR)
         request.finish_reason = FinishReason.ERROR
         self.counters.failed_total += 1
-        return AnswerDelta.of(request, [], "", error=f"{type(exc).__name__}: {exc}")
+        # a constraint the vocabulary cannot follow is the request's to fix: its output names the field
+        field = exc.field if isinstance(exc, ConstraintError) else None
+        return AnswerDelta.of(request, [], "", error=f"{type(exc).__name__}: {exc}", error_field=field)
 
     def close(self) -> None:
         """End what the runner holds beyond this process (a tensor-parallel group's ranks); idempotent."""

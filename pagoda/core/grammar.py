@@ -85,10 +85,10 @@ class Grammars:
                 self._cache.popitem(last=False)
             return future
 
-    def matcher(self, compiled: Any) -> RequestGrammar:
-        """A fresh matcher for one request over a compiled grammar."""
+    def matcher(self, compiled: Any, field: str = "constraint") -> RequestGrammar:
+        """A fresh matcher for one request over a compiled grammar (`field`: its constraint's protocol field)."""
         xgr = _xgrammar()
-        return RequestGrammar(xgr.GrammarMatcher(compiled), self.vocab_size)
+        return RequestGrammar(xgr.GrammarMatcher(compiled), self.vocab_size, field)
 
     def shutdown(self) -> None:
         """Stop the worker pool (compiles in flight finish; no new ones start)."""
@@ -190,9 +190,10 @@ def _xgrammar() -> Any:
 class RequestGrammar:
     """One request's matcher: the mask for its next token, and each sampled token accepted."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, field: str = "constraint") -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.field = field  # the constraint's protocol field: a dead end is that field's to fix
         self.num_accepted = 0
 
     def allowed(self) -> torch.Tensor:
@@ -206,7 +207,8 @@ class RequestGrammar:
         assert row.dim() == 1 and row.shape[0] == self.vocab_size, (row.shape, self.vocab_size)
         bitmask = self.allowed()
         if not bool(bitmask.any()):  # the grammar needs a character no token of this vocabulary has
-            raise ValueError(f"no token can continue the grammar after {self.num_accepted} accepted tokens")
+            raise ConstraintError(self.field, f"{self.field}: no token of this model's vocabulary can continue the"
+                                              f" output it asks for after {self.num_accepted} accepted tokens")
         masked = row.clone().unsqueeze(0)  # [1, vocab]
         # xgrammar's C++ kernel on the CPU ("auto" picks a path ~10x slower there), its CUDA/Triton one on a GPU
         backend = "cpu" if row.device.type == "cpu" else "auto"

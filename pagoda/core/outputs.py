@@ -57,6 +57,7 @@ class AnswerDelta:
     # with no logprob (nothing comes before it)
     prompt_logprobs: list[SampledToken] | None = None
     error: str | None = None
+    error_field: str | None = None  # the request field the error is that field's to fix (the server answers 4xx)
     times: RequestTimes | None = None  # on a request's last output only
 
     @classmethod

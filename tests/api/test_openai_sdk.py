@@ -272,6 +272,7 @@ def test_responses_instructions_and_extension_fields(client, tiny_server):
     ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"model": "m", "prompt": "x", "guided_regex": "\U00040000"}, "guided_regex"),  # no token has it
+    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4, "guided_regex": "0\U00040000"}, "guided_regex"),
     ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens"),
     ("/v1/completions", {"model": "m", "prompt": [5] * 5000, "max_tokens": 0, "echo": True, "logprobs": 1}, "prompt"),

@@ -180,7 +180,9 @@ def test_a_grammar_no_token_can_continue_fails_its_request_alone():
     e.add_request("free", [1, 2], greedy(None, max_tokens=6))
     outs = drain(e)
     assert text(outs["dead"]) == "ab" and outs["dead"][-1].finish_reason is FinishReason.ERROR
-    assert "no token can continue" in outs["dead"][-1].error and outs["free"][-1].finish_reason is FinishReason.LENGTH
+    assert "no token of this model's vocabulary can continue" in outs["dead"][-1].error
+    assert outs["dead"][-1].error_field == "response_format"  # the constraint's field: the server's 400 names it
+    assert outs["free"][-1].finish_reason is FinishReason.LENGTH
 
 
 def test_a_matcher_that_raises_fails_only_its_own_request():
