@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pagoda.core.adapters import AdapterInfo
 from pagoda.core.engine import Engine
 from pagoda.core.loop_channel import Command, Sink, post, refused, settle
 from pagoda.core.outputs import AnswerDelta
@@ -125,7 +126,7 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
         *, on_admitted: Callable[[], None] | None = None, cache_salt: str | None = None, tenant: str | None = None,
-        priority: int = 0, weight: float = 1.0,
+        priority: int = 0, weight: float = 1.0, adapter: str | None = None,
     ) -> AsyncIterator[AnswerDelta]:
         """Queue a request and yield its outputs as the engine makes them; the last one is finished.
 
@@ -133,6 +134,7 @@ class AsyncEngine:
         `on_admitted` is called once the engine has accepted the request (before its prefill).
         `cache_salt` and `tenant` key the prefix cache (Engine.add_request): blocks are shared only under equal ones.
         `tenant`, `priority` and `weight` are what the scheduling policy orders by (core/scheduling.py).
+        `adapter`: the loaded LoRA adapter the request's rows add (None: the base model).
         A failed model step raises GenerationError; a server-side abort raises RequestAborted.
         """
         request_id = request_id or uuid.uuid4().hex
@@ -141,7 +143,7 @@ class AsyncEngine:
         if sampling_params.constraint is not None:  # compiled on the grammar pool, never on the loop thread;
             # shielded: the compile may be shared with other requests, a caller leaving must not cancel it
             await asyncio.shield(asyncio.wrap_future(self.engine.compile_constraint(sampling_params.constraint)))
-        keys = {"cache_salt": cache_salt, "tenant": tenant, "priority": priority, "weight": weight}
+        keys = {"cache_salt": cache_salt, "tenant": tenant, "priority": priority, "weight": weight, "adapter": adapter}
         admitted = self._submit(lambda: self._add(request_id, prompt, sampling_params, sink, keys), answer=True)
         finished = False
         try:
@@ -190,6 +192,21 @@ class AsyncEngine:
         if started is not None and time.monotonic() - started > stuck_after:
             raise EngineDeadError(f"the engine step in progress has run for over {stuck_after:g} s")
         return self._snapshot
+
+    # -- LoRA adapters ---------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, AdapterInfo]:
+        """The adapters a request may name now, by name (read from any thread)."""
+        return self.engine.adapters.snapshot
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load a LoRA adapter between two steps (AdapterError, naming the field, when it is refused)."""
+        return await self._ask(lambda: self.engine.load_adapter(name, path))
+
+    async def unload_adapter(self, name: str) -> AdapterInfo:
+        """Unload an adapter once its last live request has ended (UnknownAdapter when it is not loaded)."""
+        future = await self._ask(lambda: self.engine.unload_adapter(name))
+        return await asyncio.wrap_future(future)
 
     async def audit(self) -> None:
         """Run the engine's ledger audit between two steps (raises AuditError)."""

@@ -3,9 +3,10 @@
 Block `i` of a request holds tokens [i * block_size, (i + 1) * block_size).
 Its hash covers the parent block's hash and its own token ids, so equal
 hashes mean equal prefixes, not just equal blocks. The chain starts from a
-seed made of the request's extra keys (a per-request `cache_salt` and the
-tenant identity the server sets): requests with different keys never share a
-block, so one tenant cannot learn from timing what another sent.
+seed made of the request's extra keys (a per-request `cache_salt`, the
+tenant identity the server sets, and the LoRA adapter its rows add): requests
+with different keys never share a block, so one tenant cannot learn from
+timing what another sent, and one adapter's KV never serves another's rows.
 
 The hash is a 128-bit BLAKE2b digest: stable across processes (unlike
 Python's `hash` of a string) and collision-resistant. The block manager still
@@ -28,9 +29,10 @@ _DIGEST_BYTES = 16
 
 
 @lru_cache(maxsize=4096)
-def chain_seed(cache_salt: str | None, tenant: str | None) -> int:
-    """The parent hash of a request's first block, made of its extra keys."""
-    h = hashlib.blake2b(repr(("pagoda-prefix", cache_salt, tenant)).encode(), digest_size=_DIGEST_BYTES)
+def chain_seed(cache_salt: str | None, tenant: str | None, adapter: str | None = None) -> int:
+    """The parent hash of a request's first block, made of its extra keys (the LoRA adapter's KV is its own)."""
+    keys = ("pagoda-prefix", cache_salt, tenant) if adapter is None else ("pagoda-prefix", cache_salt, tenant, adapter)
+    h = hashlib.blake2b(repr(keys).encode(), digest_size=_DIGEST_BYTES)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -44,7 +46,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 def parent_hash(request: Request, index: int) -> int:
     """The hash block `index` of the request chains from: the previous block's, or the seed."""
     if index == 0:
-        return chain_seed(request.cache_salt, request.tenant)
+        return chain_seed(request.cache_salt, request.tenant, request.adapter)
     return request.block_hashes[index - 1]
 
 

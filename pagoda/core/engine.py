@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core import speculative
+from pagoda.core.adapters import AdapterError, AdapterInfo, AdapterTable
 from pagoda.core.batch import ModelRunner, RunnerLost, ScheduledChunk, SchedulerOutput
 from pagoda.core.constraint import Constraint, ConstraintError
 from pagoda.core.block_manager import BlockManager
@@ -67,6 +68,7 @@ class Engine:
         self.counters = EngineCounters()
         self.spec_counters = speculative.SpecCounters()
         self.requests: dict[str, Request] = {}  # live requests by id
+        self.adapters = AdapterTable()  # the runner's loaded LoRA adapters and their live requests (core/adapters.py)
         self._pending_aborts: list[str] = []
         # Constrained decoding (core/grammar.py): grammars compile on a worker pool over the tokenizer's
         # vocabulary, sized to the LM head; a request waits in `compiling` until its grammar is ready.
@@ -78,10 +80,12 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, arrival_time: float | None = None,
         *, cache_salt: str | None = None, tenant: str | None = None, priority: int = 0, weight: float = 1.0,
+        adapter: str | None = None,
     ) -> Request:
         """Queue a request; raises AdmissionError (or ValueError) for one that can never be served.
 
-        Cached prefix blocks are shared only between requests with equal `cache_salt` and `tenant`.
+        `adapter`: a loaded LoRA adapter whose deltas its rows add (UnknownAdapter for another name).
+        Cached prefix blocks are shared only between requests with equal `cache_salt`, `tenant` and `adapter`.
         `priority` (lower runs first) and `weight` (its tenant's share) are read by the scheduling policy.
         """
         if request_id in self.requests:
@@ -93,6 +97,8 @@ class Engine:
             raise ValueError(f"weight must be a positive number, got {weight!r}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        if adapter is not None:
+            self.adapters.check(adapter)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -102,10 +108,12 @@ class Engine:
             tenant=tenant,
             priority=priority,
             weight=weight,
+            adapter=adapter,
         )
         if sampling_params.prompt_logprobs is not None:  # the first prompt token has nothing before it to score it
             request.prompt_logprobs = [SampledToken(prompt_token_ids[0])] + [None] * (request.num_prompt_tokens - 1)
         self._admit(request)
+        self.adapters.acquire(adapter)  # released when it ends (_finish)
         if self.tokenizer is not None:
             request.text_stream = self.tokenizer.text_stream(sampling_params.stop)
         self.requests[request_id] = request
@@ -143,6 +151,32 @@ class Engine:
         if self.grammars is None:
             raise ValueError(f"{constraint.field}: constrained output needs a tokenizer; this engine has none")
         return self.grammars.submit(constraint)
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load a LoRA adapter that requests may then name (AdapterError, naming the field, when it is refused)."""
+        if name in self.adapters.loaded:
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
+        load = getattr(self.runner, "load_adapter", None)
+        if load is None:
+            raise AdapterError("this engine's model runner serves no LoRA adapters", "lora_path")
+        info = load(name, path, self.config.max_lora_rank)
+        self.adapters.add(info)
+        logger.info("LoRA adapter %r loaded from %s: rank %d, %s, %.1f MiB", name, path, info.rank,
+                    "+".join(info.target_modules), info.nbytes / 2**20)
+        return info
+
+    def unload_adapter(self, name: str) -> Future[AdapterInfo]:
+        """Unload an adapter (UnknownAdapter when none is loaded by that name). New requests may no longer name it
+        at once; it is freed when its last live request ends, which the future says."""
+        future, now = self.adapters.begin_unload(name)
+        if now:
+            self._unload(name)
+        return future
+
+    def _unload(self, name: str) -> None:
+        self.runner.unload_adapter(name)
+        self.adapters.remove(name)
+        logger.info("LoRA adapter %r unloaded", name)
 
     def abort(self, request_id: str) -> None:
         """Mark a request to be aborted at the top of the next step; unknown ids are a no-op."""
@@ -287,6 +321,8 @@ class Engine:
         else:
             self.scheduler.remove(request)
         del self.requests[request.request_id]
+        if (unload := self.adapters.release(request.adapter)) is not None:  # the last user of one being unloaded
+            self._unload(unload)
         request.finished_time = self.clock()
         request.finish_reason = reason
         stream = request.text_stream
@@ -355,6 +391,7 @@ class Engine:
             "prefix_cache_hit_tokens_total": scheduler.num_prefix_hit_tokens,
             "steps_total": c.steps_total,
             **self.spec_counters.stats(),
+            **self.adapters.stats(),
         }
 
     def describe(self) -> dict[str, Any]:

@@ -77,9 +77,15 @@ class EngineConfig:
     # decode-only steps on a CPU replay a recorded step in one native call (pagoda/model/cpu_graphs.py), where
     # every kernel of the step is pagoda's own (the int8 and GGUF-block formats); elsewhere they run eagerly
     cpu_graphs: bool = True
+    # LoRA adapters (pagoda/model/lora.py): at most `max_loras` distinct adapters have rows in one step (base rows
+    # count none; a waiting request whose adapter would exceed it waits, core/scheduler.py); an adapter of a rank
+    # above `max_lora_rank` is refused when it is loaded. vLLM's defaults.
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len"):
+        for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len", "max_loras",
+                     "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -51,6 +51,8 @@ class Request:
     # prompt tokens found in the cache when the request was first scheduled (usage's cached_tokens).
     cache_salt: str | None = None
     tenant: str | None = None  # who the request is for: the fair policy's unit (None is one tenant)
+    # the LoRA adapter its rows add (a loaded adapter's name; None: the base model alone); part of its block hashes
+    adapter: str | None = None
     priority: int = 0  # the priority policy's order: lower runs first (vLLM's meaning)
     weight: float = 1.0  # the tenant's weight under the fair policy: its share of slots and tokens
     block_hashes: list[int] = field(default_factory=list)

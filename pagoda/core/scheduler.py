@@ -30,6 +30,9 @@ n-gram drafts (core/speculative.py) in the rows the runner would pad anyway
 extra rows the setting allows (none by default, so a step never grows); their
 slots are allocated like any tokens, and a draft never preempts or waits for
 a block. `self.speculation` is what the setting and the runner leave running.
+LoRA adapters. A request may add an adapter's deltas to its rows (`Request.adapter`); at most
+`max_loras` distinct adapters run at once. A waiting request whose adapter would be one too many
+stops admission until a running adapter's last request leaves, so it is never starved.
 Policy. The order of admission, each request's share of the step's budget and the
 choice of whom to preempt are asked of a SchedulingPolicy (core/scheduling.py);
 the default, fcfs, is the schedule described above. A policy may also preempt
@@ -141,6 +144,7 @@ class Scheduler:
         self.peak_running = max(self.peak_running, len(self.running))
         assert len(self.running) <= self.config.max_running
         assert sum(c.num_rows for c in chunks) <= self.config.max_batched_tokens
+        assert len({c.request.adapter for c in chunks} - {None}) <= self.config.max_loras
         return SchedulerOutput(chunks=chunks, block_size=self.block_manager.block_size, preempted_ids=preempted)
 
     def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]) -> int:
@@ -179,6 +183,8 @@ class Scheduler:
                 break
             if not bm.can_allocate(request.request_id, num_cached + num_new, hits):
                 break  # nobody overtakes the request the policy chose (fcfs: the head of the queue)
+            if not self._adapter_fits(request):
+                break  # nor while its adapter waits for one to leave the step: it is never starved
             if self.waiting[0] is request:
                 self.waiting.popleft()
             else:
@@ -190,6 +196,17 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new, hits))
             budget -= num_new
         return budget
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether running `request` keeps the running requests' distinct LoRA adapters within `max_loras`.
+
+        Every step's chunks are running requests', so this bounds each step. A request that does not fit stops
+        admission (as a request short of blocks does): the running adapters' requests end in bounded time and
+        none joins them meanwhile, so the waiting request's adapter gets its place."""
+        if request.adapter is None:
+            return True
+        running = {r.adapter for r in self.running if r.adapter is not None}
+        return request.adapter in running or len(running) < self.config.max_loras
 
     def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
         """Give greedy sampling chunks drafts, in arrival order, as long as the spare rows last."""

@@ -338,7 +338,7 @@ def run_worker(group: Any, spec: WorkerSpec, local_rank: int | None = None) -> i
     from pagoda.core.engine_config import EngineConfig
     from pagoda.distributed.group import GroupFailure
     from pagoda.model.loader import load_shard
-    from pagoda.model.runner import TorchModelRunner
+    from pagoda.model.runner import AdapterChange, TorchModelRunner
 
     rank = group.rank
     try:
@@ -349,6 +349,8 @@ def run_worker(group: Any, spec: WorkerSpec, local_rank: int | None = None) -> i
                 runner = TorchModelRunner(model, message)
                 logger.info("tensor parallel: rank %d of %d holds %d of %d KV heads; %d KV blocks", rank, spec.size,
                             model.shard.num_kv_heads, model.config.num_key_value_heads, message.num_blocks)
+            elif isinstance(message, AdapterChange):  # a LoRA adapter loaded or unloaded on rank 0
+                runner.change_adapter(message)
             else:
                 runner.run(message)
         return 0

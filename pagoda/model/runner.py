@@ -71,7 +71,8 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import cpu_facts, set_threads
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
-from pagoda.model import cpu_graphs, cuda_graphs
+from pagoda.core.adapters import AdapterInfo
+from pagoda.model import cpu_graphs, cuda_graphs, lora
 from pagoda.model.config import ModelConfig
 from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.loader import weight_format
@@ -93,14 +94,26 @@ class StepPlan:
     block_tables: list[tuple[int, ...]]
     token_ids: list[int]  # every chunk's rows, concatenated
     logits_rows: list[int]  # logits rows each chunk wants, its last rows (0: none; core/batch.py)
+    adapters: tuple[str | None, ...] = ()  # each chunk's LoRA adapter (None: the base); (): every chunk the base
 
     @classmethod
     def of(cls, batch: SchedulerOutput) -> StepPlan:
         chunks = batch.chunks
+        adapters = tuple(c.request.adapter for c in chunks)
         return cls(query_lens=[c.num_rows for c in chunks], seq_lens=[c.start + c.num_rows for c in chunks],
                    block_tables=[c.block_table for c in chunks],
                    token_ids=list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                   logits_rows=[c.num_logits_rows for c in chunks])
+                   logits_rows=[c.num_logits_rows for c in chunks],
+                   adapters=adapters if any(a is not None for a in adapters) else ())
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """Rank 0's message to the other ranks of a group: load adapter `name` from `path` (None: unload it)."""
+
+    name: str
+    path: str | None = None
+    max_rank: int = 0
 
 
 @dataclass
@@ -143,6 +156,8 @@ class TorchModelRunner:
         graphs = asked and why_not is None
         shape = (self.num_blocks + int(graphs), self.block_size, shard.num_kv_heads, c.head_dim)  # this rank's KV heads
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
+        self.batch_invariant = config.batch_invariant
+        self.adapters: dict[str, lora.LoraAdapter] = {}  # loaded LoRA adapters by name (pagoda/model/lora.py)
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_summary = why_not if not asked else f"off: {why_not}; every step runs eagerly"
         if graphs:
@@ -155,6 +170,23 @@ class TorchModelRunner:
                 "machine": cpu_facts().describe(), "batch_invariant": self.invariance.describe(),
                 "kernels": {"matmul": weight_format(self.model), "attention": self.backend.name}}
 
+    def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
+        """Read, check and hold a LoRA adapter (AdapterError, naming the field, when it is refused)."""
+        adapter = lora.load_adapter(self.model, name, path, max_rank, batch_invariant=self.batch_invariant)
+        self.adapters[name] = adapter
+        return adapter.info
+
+    def unload_adapter(self, name: str) -> None:
+        """Free an adapter no step will name again."""
+        del self.adapters[name]
+
+    def change_adapter(self, change: AdapterChange) -> None:
+        """Another rank's side of rank 0's load or unload."""
+        if change.path is None:
+            self.unload_adapter(change.name)
+        else:
+            self.load_adapter(change.name, change.path, change.max_rank)
+
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""
         if batch.is_empty:
@@ -166,7 +198,8 @@ class TorchModelRunner:
     def run(self, plan: StepPlan) -> Tensor | None:
         """The forward of one step's plan: its KV written, float32 logits [sample rows, V] (None: none sample,
         or this rank is not the one that samples)."""
-        if self.graphs is not None and (logits := self._replay(plan)) is not None:
+        # a step with adapter rows runs eagerly: the graphs hold the base's products alone
+        if self.graphs is not None and not plan.adapters and (logits := self._replay(plan)) is not None:
             return logits
         inputs = self.prepare(plan)
         with inputs.threads.step():  # a small CPU step: on one thread, but for its linear layers
@@ -202,13 +235,17 @@ class TorchModelRunner:
         num_samples = len(sample_rows)
         sample_rows += [0] * (_round_up(num_samples, self.row_multiple) - num_samples)
         threads, backend = self._threads_for(meta, padded)
+        linears = threads
+        if plan.adapters:  # each chunk's rows add its adapter's delta
+            linears = lora.AdaptedLinears(threads, lora.row_groups(self.adapters, plan.adapters, plan.query_lens,
+                                                                   self.device))
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=positions,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             num_samples=num_samples,
             ctx=StepContext(meta=meta, kv_caches=self.kv_caches, backend=backend, num_tokens=num_tokens,
-                            threads=threads),
+                            threads=linears),
             threads=threads,
         )
 
@@ -253,6 +290,15 @@ class TensorParallelRunner(TorchModelRunner):
             raise group.failure from exc
         finally:
             self._in_step = False
+
+    def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
+        info = super().load_adapter(name, path, max_rank)  # checked here first: a refused adapter reaches no rank
+        self.ranks.group.broadcast(AdapterChange(name, path, max_rank))
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        super().unload_adapter(name)
+        self.ranks.group.broadcast(AdapterChange(name))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "tensor_parallel": self.ranks.describe()}

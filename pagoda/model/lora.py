@@ -1,0 +1,315 @@
+"""LoRA adapters over the served model: PEFT directories read and checked, and each row's delta added in a step.
+
+Design note.
+- What is read. A PEFT LoRA directory: `adapter_config.json` and `adapter_model.safetensors`, whose tensors are
+  `...layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight` [r, in] and `lora_B.weight` [out, r]. The projections a
+  family's decoder has may be adapted: q, k, v, o, gate, up, down, and Phi-3's fused qkv and gate_up. Anything
+  else (DoRA, embeddings, `modules_to_save`, trained biases, a module the family lacks, an MoE's experts) is
+  refused when the adapter is loaded, naming the field, as are a rank above `--max-lora-rank`, a tensor that
+  does not fit its base projection, and a tensor that is not finite.
+- Where it goes. Our q/k/v and gate/up are stacked (`qkv_proj`, `gate_up_proj`), so an adapter's parts of one
+  stacked projection are stacked too: their A's one above the other ([R, in], R the sum of the parts' ranks) and
+  their B's block-diagonal ([out, R]), each in its part's output rows; a part the adapter leaves out is zeros.
+  The scale (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) is folded into B. Under tensor parallelism A and B
+  are split as their base projection is: a column-parallel one keeps its B rows (its heads, its part of the
+  intermediate size) and the whole A; a row-parallel one (o, down) its A columns and the whole B, its partial
+  delta summed by the group with the base's partial product.
+- Per-row deltas, batch invariant. A step's rows are grouped by adapter. For each adapted projection, each group's
+  rows are gathered, padded to the kernel's row multiple, multiplied by A and then by B on the model's float
+  matmul kernel (an int8 or int4 base keeps its adapters in float32), and added to their rows of the base
+  product. The two products are the same `PackedWeight`s the base runs on, with their calls capped at the row
+  counts this machine proved row invariant (pagoda/model/invariance.py): a row's delta has the bits it has alone,
+  whichever other rows and adapters share its step, and the add is one per element. Base rows add nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pagoda.core.adapters import AdapterError, AdapterInfo
+from pagoda.model.invariance import prove_row_invariance
+from pagoda.model.llama import LinearThreads, Transformer
+from pagoda.model.matmul import (MKL_PADDED, ONEDNN, ONEDNN_PACKED, PLAIN, TRITON_INVARIANT, Linear, MatmulKernel,
+                                 PackedWeight, select_matmul)
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_FLOAT_KERNELS = {k.name for k in (ONEDNN_PACKED, ONEDNN, MKL_PADDED, PLAIN, TRITON_INVARIANT)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>self_attn|mlp)\."
+                  r"(?P<proj>[A-Za-z0-9_]+)\.lora_(?P<ab>[AB])\.weight$")
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint names
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The fields of adapter_config.json pagoda reads."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    target_modules: tuple[str, ...]
+
+    def scaling(self, rank: int) -> float:
+        """PEFT's scale of a module of rank `rank`: alpha / r, or alpha / sqrt(r) (rsLoRA)."""
+        return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
+
+
+def read_config(directory: Path, max_rank: int) -> LoraConfig:
+    """adapter_config.json, checked: AdapterError naming the field pagoda cannot serve."""
+    path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise AdapterError(f"lora_path {str(directory)!r} is not a directory", "lora_path")
+    if not path.is_file():
+        raise AdapterError(f"lora_path {str(directory)!r} has no {CONFIG_FILE}", "lora_path")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{CONFIG_FILE} is not JSON: {exc}", "lora_path") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object", "lora_path")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"peft_type {raw.get('peft_type')!r}: only LoRA adapters are served", "peft_type")
+    refused = {"use_dora": "DoRA adapters are not served", "fan_in_fan_out": "fan_in_fan_out (GPT-2's Conv1D) is not served",
+               "modules_to_save": "modules_to_save (whole modules trained beside the adapter) are not served",
+               "alpha_pattern": "per-module lora_alpha (alpha_pattern) is not served",
+               "lora_bias": "trained LoRA biases are not served",
+               "trainable_token_indices": "trained token embeddings are not served"}
+    for name, why in refused.items():
+        if raw.get(name):
+            raise AdapterError(f"{name}: {why}", name)
+    if raw.get("bias", "none") != "none":
+        raise AdapterError(f"bias {raw.get('bias')!r}: trained biases are not served (only 'none')", "bias")
+    rank, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"r must be a positive integer, got {rank!r}", "r")
+    if rank > max_rank:
+        raise AdapterError(f"r {rank} is above this server's --max-lora-rank {max_rank}", "r")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise AdapterError(f"lora_alpha must be a number, got {alpha!r}", "lora_alpha")
+    targets = raw.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    return LoraConfig(rank=rank, alpha=float(alpha), rslora=bool(raw.get("use_rslora")), target_modules=targets)
+
+
+def adapter_kernel(model: Transformer) -> MatmulKernel:
+    """The float kernel an adapter multiplies on: the model's own when it is a float one, else float32's here."""
+    if model.matmul.name in _FLOAT_KERNELS:
+        return model.matmul
+    return select_matmul(next(model.parameters()).device, torch.float32)
+
+
+@dataclass
+class ModuleDelta:
+    """One adapted projection's stacked A [R, in] and scaled, block-diagonal B [out, R], packed for the kernel."""
+
+    a: Tensor
+    b: Tensor
+    a_packed: PackedWeight
+    b_packed: PackedWeight
+    row_multiple: int
+
+    def delta(self, x: Tensor) -> Tensor:
+        """x [n, in] -> scale * (x A) B [n, out], each row's bits its own (rows padded to the row multiple)."""
+        n = x.shape[0]
+        pad = -n % self.row_multiple
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        xa = self.a_packed.product(x.to(self.a.dtype), self.a, None)
+        return self.b_packed.product(xa, self.b, None)[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes(w) for p, w in ((self.a_packed, self.a), (self.b_packed, self.b)))
+
+    def packs(self) -> list[tuple[PackedWeight, Tensor]]:
+        return [(self.a_packed, self.a), (self.b_packed, self.b)]
+
+
+@dataclass
+class LoraAdapter:
+    """A loaded adapter: the delta of each projection it adapts, by the model's Linear."""
+
+    info: AdapterInfo
+    modules: dict[Linear, ModuleDelta] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Where one checkpoint projection's adapter lands in our Linear: its rows of the output (column-parallel
+    split), or its columns of the input (row-parallel split)."""
+
+    linear: Linear
+    out_offset: int  # first output row of the part in our (stacked) Linear
+    rows: tuple[int, int] | None  # [start, end) of the checkpoint B's rows this rank keeps; None: all
+    columns: tuple[int, int] | None  # [start, end) of the checkpoint A's columns this rank keeps; None: all
+    full_out: int  # rows of the checkpoint's B
+    full_in: int  # columns of the checkpoint's A
+
+
+def _parts(model: Transformer, layer: int, block: str, proj: str, key: str) -> list[_Part]:
+    """The parts of our Linears a checkpoint projection `proj` of `layer` adapts (three for Phi-3's fused qkv)."""
+    config, shard = model.config, model.shard
+    allowed = ATTENTION + MLP + (FUSED if config.family == "phi3" else ())
+    if config.num_experts and block == "mlp":
+        raise AdapterError(f"{key}: adapters of a mixture of experts' MLP are not served (attention only)",
+                           "target_modules")
+    if proj not in allowed or (proj in ATTENTION + ("qkv_proj",)) != (block == "self_attn"):
+        raise AdapterError(f"{key}: this model ({config.architecture}) has no {block}.{proj} to adapt "
+                           f"(adaptable: {', '.join(allowed)})", "target_modules")
+    if layer >= len(model.model.layers):
+        raise AdapterError(f"{key}: layer {layer} is past the model's {len(model.model.layers)} layers",
+                           "target_modules")
+    decoder = model.model.layers[layer]
+    attn, mlp = decoder.self_attn, getattr(decoder, "mlp", None)
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    if proj == "o_proj":
+        return [_Part(attn.o_proj, 0, None, shard.columns("o_proj"), h, q)]
+    if proj == "down_proj":
+        return [_Part(mlp.down_proj, 0, None, shard.columns("down_proj"), h, inter)]
+    # column-parallel: (checkpoint part, its offset in the checkpoint's B, its rows there)
+    if block == "self_attn":
+        names = {"q_proj": [("q_proj", 0, q)], "k_proj": [("k_proj", 0, kv)], "v_proj": [("v_proj", 0, kv)],
+                 "qkv_proj": [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]}[proj]
+        offsets, linear = {"q_proj": 0, "k_proj": shard.q_size, "v_proj": shard.q_size + shard.kv_size}, attn.qkv_proj
+    else:
+        names = {"gate_proj": [("gate_proj", 0, inter)], "up_proj": [("up_proj", 0, inter)],
+                 "gate_up_proj": [("gate_proj", 0, inter), ("up_proj", inter, inter)]}[proj]
+        offsets, linear = {"gate_proj": 0, "up_proj": shard.intermediate_size}, mlp.gate_up_proj
+    full_out = sum(n for _, _, n in names)
+    parts = []
+    for part, start, _ in names:
+        lo, hi = shard.rows(part) or (0, dict((p, n) for p, _, n in names)[part])
+        parts.append(_Part(linear, offsets[part], (start + lo, start + hi), None, full_out, h))
+    return parts
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise AdapterError(f"lora_path has no {WEIGHTS_FILE} (only safetensors adapters are served)", "lora_path")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} cannot be read: {exc}", "lora_path") from None
+
+
+def load_adapter(model: Transformer, name: str, directory: str | Path, max_rank: int, *,
+                 batch_invariant: bool = True) -> LoraAdapter:
+    """Read, check and place a PEFT LoRA directory over `model` (this rank's shard of it); AdapterError if refused."""
+    directory = Path(directory)
+    config = read_config(directory, max_rank)
+    tensors = _read_tensors(directory / WEIGHTS_FILE)
+    pairs: dict[tuple[int, str, str], dict[str, tuple[str, Tensor]]] = {}
+    for key, tensor in tensors.items():
+        found = _KEY.match(key)
+        if found is None:
+            what = "an embedding adapter" if "embed" in key or "lm_head" in key else "a module pagoda cannot adapt"
+            raise AdapterError(f"{key}: {what}; only the decoder's projections are served", "target_modules")
+        if not torch.is_floating_point(tensor) or tensor.dim() != 2:
+            raise AdapterError(f"{key}: a 2-D floating-point tensor is expected, got {tuple(tensor.shape)} "
+                               f"{tensor.dtype}", key)
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{key}: holds NaN or infinite values", key)
+        pairs.setdefault((int(found["layer"]), found["block"], found["proj"]), {})[found["ab"]] = (key, tensor)
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors", "lora_path")
+    kernel = adapter_kernel(model)
+    device = next(model.parameters()).device
+    stacked: dict[Linear, list[tuple[Tensor, Tensor, int]]] = {}  # Linear -> [(A part, scaled B part, out offset)]
+    ranks, targets = set(), set()
+    for (layer, block, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            key = next(iter(ab.values()))[0]
+            raise AdapterError(f"{key}: its lora_{'B' if 'A' in ab else 'A'} is missing", key)
+        (a_key, a), (b_key, b) = ab["A"], ab["B"]
+        rank = a.shape[0]
+        if b.shape[1] != rank:
+            raise AdapterError(f"{b_key}: shape {tuple(b.shape)} does not follow its lora_A's rank {rank}", b_key)
+        if rank > max_rank:
+            raise AdapterError(f"{a_key}: rank {rank} is above this server's --max-lora-rank {max_rank}", "r")
+        parts = _parts(model, layer, block, proj, a_key)
+        first = parts[0]
+        if a.shape[1] != first.full_in:
+            raise AdapterError(f"{a_key}: shape {tuple(a.shape)} does not fit {block}.{proj}'s {first.full_in} "
+                               f"inputs", a_key)
+        if b.shape[0] != first.full_out:
+            raise AdapterError(f"{b_key}: shape {tuple(b.shape)} does not fit {block}.{proj}'s {first.full_out} "
+                               f"outputs", b_key)
+        ranks.add(rank)
+        targets.add(proj)
+        scale = config.scaling(rank)
+        a, b = a.to(torch.float32), b.to(torch.float32) * scale
+        for part in parts:
+            part_a = a if part.columns is None else a[:, part.columns[0] : part.columns[1]]
+            part_b = b if part.rows is None else b[part.rows[0] : part.rows[1]]
+            stacked.setdefault(part.linear, []).append((part_a, part_b, part.out_offset))
+    adapter = LoraAdapter(AdapterInfo(name=name, path=str(directory), rank=max(ranks), nbytes=0,
+                                      target_modules=tuple(sorted(targets))))
+    for linear, parts in stacked.items():
+        adapter.modules[linear] = _module_delta(linear, parts, kernel, device)
+    packs = [p for delta in adapter.modules.values() for p in delta.packs()]
+    prove_row_invariance(packs, torch.float32, batch_invariant)
+    nbytes = sum(delta.nbytes for delta in adapter.modules.values())
+    adapter.info = AdapterInfo(name=name, path=str(directory), rank=max(ranks), nbytes=nbytes,
+                               target_modules=adapter.info.target_modules)
+    return adapter
+
+
+def _module_delta(linear: Linear, parts: list[tuple[Tensor, Tensor, int]], kernel: MatmulKernel,
+                  device: torch.device) -> ModuleDelta:
+    """One Linear's parts stacked: A's one above the other, B block-diagonal in each part's output rows."""
+    total = sum(a.shape[0] for a, _, _ in parts)
+    a_all = torch.cat([a for a, _, _ in parts]).contiguous()
+    b_all = torch.zeros(linear.out_features, total)
+    col = 0
+    for a, b, offset in parts:
+        b_all[offset : offset + b.shape[0], col : col + a.shape[0]] = b
+        col += a.shape[0]
+    a_all, b_all = a_all.to(device), b_all.to(device)
+    delta = ModuleDelta(a_all, b_all, PackedWeight(kernel), PackedWeight(kernel), kernel.row_multiple)
+    delta.a_packed.pack(a_all)
+    delta.b_packed.pack(b_all)
+    return delta
+
+
+class AdaptedLinears:
+    """A step's linear layers with each adapter's delta added to its rows (the design note).
+
+    `groups`: (adapter, the rows [n] of the step that add it), rows in ascending order; the others add nothing."""
+
+    def __init__(self, inner: LinearThreads, groups: list[tuple[LoraAdapter, Tensor]]) -> None:
+        self.inner, self.groups = inner, groups
+
+    def linear(self, layer: Any, x: Tensor) -> Tensor:
+        out = self.inner.linear(layer, x)
+        for adapter, rows in self.groups:
+            delta = adapter.modules.get(layer)
+            if delta is not None:
+                out.index_add_(0, rows, delta.delta(x.index_select(0, rows)).to(out.dtype))
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # the inner threads' own (StepThreads.step, ...)
+        return getattr(self.inner, name)
+
+
+def row_groups(adapters: dict[str, LoraAdapter], names: Iterable[str | None], query_lens: Iterable[int],
+               device: torch.device) -> list[tuple[LoraAdapter, Tensor]]:
+    """Each adapter of a step's chunks with the rows its chunks hold (chunk i: `query_lens[i]` consecutive rows)."""
+    rows: dict[str, list[int]] = {}
+    start = 0
+    for name, n in zip(names, query_lens):
+        if name is not None:
+            rows.setdefault(name, []).extend(range(start, start + n))
+        start += n
+    return [(adapters[name], torch.tensor(r, dtype=torch.int64, device=device)) for name, r in sorted(rows.items())]
