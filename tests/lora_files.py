@@ -50,3 +50,10 @@ def edit_config(directory: Path, **fields: Any) -> None:
     config = json.loads(path.read_text())
     config.update(fields)
     path.write_text(json.dumps(config))
+
+
+def hf_model(model_dir: Path) -> Any:
+    """transformers' own model of a Hugging Face directory, in float32."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

@@ -31,6 +31,32 @@ def test_tp2_tiny_model_is_batch_invariant(tmp_path):
         check_invariance(model, targets, tight_blocks=24, ranks=ranks)
 
 
+def test_tp2_adapters_are_batch_invariant(tmp_path):
+    """Base rows and three adapters' in one step, each adapter's A and B split over the ranks as their base
+    projection is (tests/model/test_lora_invariance.py's comparison)."""
+    pytest.importorskip("peft")
+    from tests.model.test_lora_invariance import check_lora_invariance, make_adapters, tiny_model
+
+    model_dir = save_model_dir(tiny_model(), tmp_path / "tiny")
+    adapters = make_adapters(model_dir, tmp_path)
+    with tp_model(model_dir, 2, max_model_len=512) as (model, ranks):
+        check_lora_invariance(model, adapters, ranks=ranks)
+        # and split right: the group's logits are peft's
+        from pagoda.core.engine_config import EngineConfig
+        from pagoda.model.factory import make_engine
+        from tests.lora_files import adapted_hf, hf_model
+        from tests.model.test_lora_reference import ATOL, prompt_logits
+
+        engine = make_engine(model, EngineConfig(num_blocks=32, block_size=4, max_model_len=512, max_lora_rank=16),
+                             ranks=ranks)
+        ids = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+        for name in ("b", "c"):
+            engine.load_adapter(name, str(adapters[name]))
+            with torch.no_grad():
+                theirs = adapted_hf(hf_model(model_dir), adapters[name])(torch.tensor([ids])).logits[0]
+            torch.testing.assert_close(prompt_logits(engine, name, ids, 30), theirs, rtol=0, atol=ATOL)
+
+
 def test_rank_0_failing_inside_a_step_fails_the_group_not_just_the_batch(tmp_path, monkeypatch):
     from pagoda.core.engine_config import EngineConfig
     from pagoda.core.sampling_params import SamplingParams
@@ -52,3 +78,27 @@ def test_rank_0_failing_inside_a_step_fails_the_group_not_just_the_batch(tmp_pat
             engine.step()
         assert ranks.group.failure is not None
     assert not any(p.is_alive() for p in ranks.processes)  # the stranded rank was killed, not waited for
+
+
+def test_tp2_splits_phi3_fused_adapters_as_their_projections(tmp_path):
+    """A fused qkv (gate_up) adapter's B is cut into its q, k and v (gate and up) rows, each rank keeping its heads'
+    (its part of the intermediate size): the group's logits are peft's."""
+    pytest.importorskip("peft")
+    from pagoda.core.engine_config import EngineConfig
+    from pagoda.model.factory import make_engine
+    from tests.lora_files import adapted_hf, hf_model, save_random_adapter
+    from tests.model.families.test_phi3 import save
+    from tests.model.test_lora_reference import ATOL, prompt_logits
+
+    _, model_dir = save(tmp_path)
+    hf = hf_model(model_dir)
+    adapter = save_random_adapter(hf, tmp_path / "ad", targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                                  std=0.1)
+    with tp_model(model_dir, 2, max_model_len=512) as (model, ranks):
+        assert model.shard.num_kv_heads == 1
+        engine = make_engine(model, EngineConfig(num_blocks=32, block_size=4, max_model_len=512), ranks=ranks)
+        engine.load_adapter("ad", str(adapter))
+        ids = torch.randint(3, 320, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+        with torch.no_grad():
+            theirs = adapted_hf(hf, adapter)(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(prompt_logits(engine, "ad", ids, 30), theirs, rtol=0, atol=ATOL)

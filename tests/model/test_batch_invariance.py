@@ -39,10 +39,12 @@ class RecordingRunner:
         self.row_multiple = inner.row_multiple
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         self.max_chunks = 0  # the most requests one step carried
+        self.max_adapters = 0  # the most LoRA adapters one step carried
         self.replays = 0  # decode steps replayed from a recorded graph (CPU step graphs, where the format has them)
 
     def execute(self, batch):
         self.max_chunks = max(self.max_chunks, len(batch.chunks))
+        self.max_adapters = max(self.max_adapters, len({c.request.adapter for c in batch.chunks} - {None}))
         graphs = self.inner.graphs
         before = getattr(graphs, "replays", 0)
         out = self.inner.execute(batch)
@@ -57,16 +59,22 @@ class RecordingRunner:
         return out
 
 
-def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16, ranks=None):
-    """Run jobs [(rid, prompt, params)] to completion; returns ({rid: tokens}, {rid: Request}, engine).
+def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max_running=16, ranks=None,
+        adapters=None):
+    """Run jobs [(rid, prompt, params[, adapter])] to completion; returns ({rid: tokens}, {rid: Request}, engine).
 
-    `ranks`: the tensor-parallel group `model` is rank 0's shard of (tests/distributed)."""
+    `ranks`: the tensor-parallel group `model` is rank 0's shard of (tests/distributed).
+    `adapters`: LoRA adapters {name: PEFT directory} loaded first, each of which may run in every step."""
+    adapters = adapters or {}
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
-                          max_batched_tokens=max_batched_tokens, max_model_len=512)
+                          max_batched_tokens=max_batched_tokens, max_model_len=512, max_loras=max(len(adapters), 1),
+                          max_lora_rank=64)
     engine = make_engine(model, config, eos_token_ids=model.config.eos_token_ids, ranks=ranks)
+    for name, path in adapters.items():
+        engine.load_adapter(name, str(path))
     engine.runner = RecordingRunner(engine.runner)
-    requests = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in jobs}
-    out: dict[str, list[int]] = {rid: [] for rid, _, _ in jobs}
+    requests = {job[0]: engine.add_request(*job[:3], adapter=job[3] if len(job) > 3 else None) for job in jobs}
+    out: dict[str, list[int]] = {job[0]: [] for job in jobs}
     while engine.has_unfinished():
         for o in engine.step():
             assert o.error is None, o.error
@@ -74,14 +82,16 @@ def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max
     return out, requests, engine
 
 
-def crowd(vocab, n=8, seed=7, max_tokens=None):
-    """n other requests of different prompt lengths and output lengths, some sampled."""
+def crowd(vocab, n=8, seed=7, max_tokens=None, adapters=()):
+    """n other requests of different prompt lengths and output lengths, some sampled; with `adapters`, the i-th on
+    the base (None) or one of them, in turn."""
     gen = torch.Generator().manual_seed(seed)
     jobs = []
     for i in range(n):
         prompt = torch.randint(3, vocab, (3 + 5 * i,), generator=gen).tolist()
         params = SamplingParams(max_tokens=max_tokens or 10 + 3 * i, temperature=0.7 * (i % 2), seed=i, ignore_eos=True)
-        jobs.append((f"other{i}", prompt, params))
+        choices = (None, *adapters)
+        jobs.append((f"other{i}", prompt, params, choices[i % len(choices)]))
     return jobs
 
 
@@ -93,12 +103,14 @@ def assert_same_logits(engine, alone_rows, rid):
         assert torch.equal(row, alone_rows[key]), f"{rid}: logits at position {key[1]} differ in their bits"
 
 
-def check_invariance(model, targets, *, tight_blocks, ranks=None):
-    """targets: [(rid, prompt, params)]. Alone == in a crowd == preempted and recomputed."""
+def check_invariance(model, targets, *, tight_blocks, ranks=None, adapters=None):
+    """targets: [(rid, prompt, params[, adapter])]. Alone == in a crowd == preempted and recomputed.
+
+    `adapters` ({name: PEFT directory}): the crowds mix the base's rows with every adapter's, in the same steps."""
     vocab = model.config.vocab_size
     alone, alone_rows, alone_prompt = {}, {}, {}
-    for rid, p, s in targets:
-        tokens, requests, engine = run(model, [(rid, p, s)], ranks=ranks)
+    for rid, p, s, *adapter in targets:
+        tokens, requests, engine = run(model, [(rid, p, s, *adapter)], ranks=ranks, adapters=adapters)
         alone[rid] = tokens[rid]
         alone_prompt[rid] = requests[rid].prompt_logprobs
         assert (s.prompt_logprobs is None) == (alone_prompt[rid] == [])
@@ -112,11 +124,15 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None):
 
     # In a crowd: targets in the middle of 8 others; a small token budget cuts prompts
     # into chunks, so the targets' rows meet every batch size and row position.
-    others = crowd(vocab)
+    names = tuple(adapters or ())
+    others = crowd(vocab, adapters=names)
     jobs = others[:4] + list(targets) + others[4:]
-    in_crowd, requests, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks)
+    in_crowd, requests, engine = run(model, jobs, max_batched_tokens=23, ranks=ranks, adapters=adapters)
     assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
-    if engine.runner.inner.graphs is not None:  # step graphs: the crowd's decode steps were replays
+    if names:  # base rows and every adapter's in one step
+        assert engine.runner.max_adapters == len(names)
+    if engine.runner.inner.graphs is not None and not names:  # step graphs: the crowd's decode steps were replays
+        # (a step with adapter rows runs eagerly)
         assert engine.runner.replays > 0
     for rid in alone:
         assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
@@ -126,10 +142,11 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None):
     # Preempted: a pool that holds every prompt but not every output; the target arrives
     # last, so it is the newest running request and the first evicted, then recomputed
     # through prefill chunks once the others finish.
-    long_others = crowd(vocab, n=4, seed=8, max_tokens=24)
-    for rid, prompt, params in targets:
-        jobs = long_others + [(rid, prompt, params)]
-        preempted, requests, engine = run(model, jobs, num_blocks=tight_blocks, max_batched_tokens=19, ranks=ranks)
+    long_others = crowd(vocab, n=4, seed=8, max_tokens=24, adapters=names)
+    for rid, prompt, params, *adapter in targets:
+        jobs = long_others + [(rid, prompt, params, *adapter)]
+        preempted, requests, engine = run(model, jobs, num_blocks=tight_blocks, max_batched_tokens=19, ranks=ranks,
+                                          adapters=adapters)
         assert engine.stats()["preemptions_total"] > 0
         assert requests[rid].num_preemptions > 0, f"{rid} was never preempted: the test proved nothing"
         assert preempted[rid] == alone[rid], f"{rid} changed after preemption and recompute"
