@@ -27,6 +27,7 @@ BENCHMARKS = {
     "invariance": "pagoda.bench.invariance",
     "answers": "pagoda.bench.answers",
     "eval": "pagoda.bench.eval",
+    "lora": "pagoda.bench.lora",
 }
 
 

@@ -82,6 +82,9 @@ class EngineConfig:
     # above `max_lora_rank` is refused when it is loaded. vLLM's defaults.
     max_loras: int = 1
     max_lora_rank: int = 16
+    # adapters are expected (at start-up or loaded live): CPU step graphs are recorded with a LoRA node after each
+    # adaptable product, so that steps with adapter rows replay too (without, such steps run eagerly)
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_running", "max_batched_tokens", "max_model_len", "max_loras",
@@ -89,7 +92,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("enable_prefix_caching", "batch_invariant", "cuda_graphs", "cpu_graphs"):
+        for name in ("enable_prefix_caching", "batch_invariant", "cuda_graphs", "cpu_graphs", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_waiting is not None and (not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool)

@@ -47,6 +47,7 @@ enum Op : int64_t {
   QUANT_ROWS = 10,  // x, ldx, K, M, xq, xd, xsum (cpu_quant.h)
   BLOCK_PRODUCT = 11,  // format, qs, d, m, N, K, xq, xd, xsum, M, out, ldo
   SHIFT = 12,  // x, n, out; addend: out = x + addend
+  LORA = 13,  // out, ldo, x, ldx, rows, K, N, table, linear, num_linears, row_slot (cpu_lora.cpp)
 };
 
 template <typename T>
@@ -182,6 +183,11 @@ void run_node(const int64_t* c, const double* p, int t, int n) {
                                       b * width, std::min(c[5], e * width));
       break;
     }
+    case LORA:
+      share(c[5], t, n, b, e);
+      pagoda_step::lora_rows(ptr<float>(c[1]), c[2], ptr<const float>(c[3]), c[4], c[6], c[7], ptr<const int64_t>(c[8]),
+                             c[9], c[10], ptr<const int64_t>(c[11]), b, e);
+      break;
     default:
       break;  // validated before the region
   }
@@ -197,7 +203,7 @@ void graph_run(const at::Tensor& code, const at::Tensor& params, int64_t threads
   const int64_t* c = code.data_ptr<int64_t>();
   const double* p = params.data_ptr<double>();
   for (int64_t i = 0; i < nodes; ++i)
-    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= SHIFT, "node ", i, ": unknown op ", c[i * kSlots]);
+    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= LORA, "node ", i, ": unknown op ", c[i * kSlots]);
   PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   SpinBarrier barrier;
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, threads)))

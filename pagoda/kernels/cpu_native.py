@@ -152,6 +152,12 @@ def act_mul(gate_up: Tensor, activation: str) -> Tensor:
     return torch.ops.pagoda_cpu.act_mul(gate_up, ACTIVATIONS[activation])
 
 
+def lora_apply(out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor) -> None:
+    """out [T, N] += each row's LoRA delta, in place: row t adds the adapter in slot row_slot[t] (-1: none), whose
+    entry for projection `linear` in table [slots, linears, 3] int64 is (A's address, B^T's, rank) (cpu_lora.cpp)."""
+    torch.ops.pagoda_cpu.lora_apply(out, x.contiguous(), table, linear, row_slot)
+
+
 def graph_run(code: Tensor, params: Tensor, threads: int) -> None:
     """Replay a recorded step (pagoda/model/cpu_graphs.py) in one parallel region of `threads`, the GIL released."""
     torch.ops.pagoda_cpu.graph_run(code, params, threads)

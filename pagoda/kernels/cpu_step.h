@@ -53,4 +53,9 @@ struct AttentionTile {
 std::vector<AttentionTile> attention_tiles(const AttentionArgs& a);
 void attend_tiles(const AttentionArgs& a, const std::vector<AttentionTile>& tiles, int64_t i0, int64_t i1);
 
+// LoRA deltas of rows [r0, r1) (cpu_lora.cpp): out[t] += (x[t] A^T) Bt for the adapter in slot row_slot[t] (-1:
+// none), whose entry for projection `linear` in table [slots, num_linears, 3] is (A, Bt, rank).
+void lora_rows(float* out, int64_t ldo, const float* x, int64_t ldx, int64_t k, int64_t n, const int64_t* table,
+               int64_t linear, int64_t num_linears, const int64_t* row_slot, int64_t r0, int64_t r1);
+
 }  // namespace pagoda_step

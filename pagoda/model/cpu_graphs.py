@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagoda.kernels import cpu_native
 from pagoda.kernels.metadata import AttentionMetadata
-from pagoda.model import cuda_graphs
+from pagoda.model import cuda_graphs, lora
 from pagoda.model.llama import StepContext
 
 logger = logging.getLogger("pagoda.model")
@@ -47,7 +47,7 @@ logger = logging.getLogger("pagoda.model")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SLOTS, PARAMS = 20, 4  # a node's int64 slots and float64 parameters (cpu_graph.cpp)
 (GATHER, RMS_NORM, ROPE, WRITE_KV, ATTENTION, INT8_LINEAR, ACT_MUL, ADD, COPY, SCALE, QUANT_ROWS, BLOCK_PRODUCT,
- SHIFT) = range(13)
+ SHIFT, LORA) = range(14)
 
 _ops = torch.ops.aten
 PRODUCTS = {"blocks", "int8_avx2"}  # the matmul kernels a step graph replays (pagoda's own)
@@ -170,6 +170,12 @@ class StepRecorder(TorchDispatchMode):
         self._node(BLOCK_PRODUCT, [fmt, _ptr(qs), _ptr(d), m_ptr, n, k, _ptr(xq), _ptr(xd), _ptr(xsum), rows,
                                    _ptr(out), out.stride(0)], keep=[qs, d, m, out])
 
+    def lora(self, out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor) -> None:
+        rows, ldo = _rows(out)
+        _, ldx = _rows(x)
+        self._node(LORA, [_ptr(out), ldo, _ptr(x), ldx, rows, x.shape[1], out.shape[1], _ptr(table), linear,
+                          table.shape[1], _ptr(row_slot)], keep=[out, x, table, row_slot])
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
         rows, ldx = _rows(x)
         self._node(RMS_NORM, [_ptr(x), ldx, _ptr(weight), rows, x.shape[1], _ptr(out), out.stride(0)], [eps],
@@ -219,6 +225,7 @@ def _handlers() -> dict[Any, Any]:
         cpu.paged_attention.default: lambda s, a, k, o: r.attention(s, *a[:6], *_attention_options(a, k), o),
         cpu.int8_linear.default: lambda s, a, k, o: r.linear_int8(s, a[0], a[1], a[2], o),
         cpu.block_linear.default: lambda s, a, k, o: r.linear_blocks(s, *a[:6], o),
+        cpu.lora_apply.default: lambda s, a, k, o: r.lora(s, *a[:5]),
     }
 
 
@@ -267,6 +274,10 @@ class CpuStepGraphs(cuda_graphs.DecodeGraphs):
         self.programs: dict[int, tuple[Tensor, Tensor, list[Any]]] = {}
         self.threads = torch.get_num_threads()
         self.replays = 0  # steps replayed so far
+        # LoRA: each adaptable product is followed by its adapters' node, which reads each row's slot here (-1:
+        # none) and the step's adapters from the runner's table (pagoda/model/lora.py)
+        self.lora = runner.lora_table if runner.enable_lora else None
+        self.row_slot = torch.full((self.buckets[-1],), -1, dtype=torch.int64)
 
     def fill(self, bucket: int, seq_lens: Sequence[int], token_ids: Sequence[int],
              block_tables: Sequence[Sequence[int]]) -> None:
@@ -281,6 +292,8 @@ class CpuStepGraphs(cuda_graphs.DecodeGraphs):
                                  query_lens_cpu=[1] * bucket, seq_lens_cpu=[self.max_len] * bucket,
                                  query_start_loc_cpu=list(range(bucket + 1)))
         ctx = StepContext(meta=meta, kv_caches=runner.kv_caches, backend=runner.backend, num_tokens=bucket)
+        if self.lora is not None:
+            ctx.threads = lora.AdaptedLinears(ctx.threads, lora.LoraStep([], self.row_slot[:bucket], self.lora))
         hidden = runner.model(ids, positions, ctx)  # [bucket, H]
         return runner.model.compute_logits(hidden)  # [bucket, V] float32
 
@@ -288,6 +301,7 @@ class CpuStepGraphs(cuda_graphs.DecodeGraphs):
         """Record the bucket's step and check one replay against it, bit for bit; None, or why it cannot run."""
         self._pad_all()
         self.seq_lens.fill_(1)
+        self.row_slot.fill_(-1)
         if not _HANDLERS:
             _HANDLERS.update(_handlers())
         recorder = StepRecorder()

@@ -92,6 +92,8 @@ def decode_rows(seq_lens: Sequence[int], token_ids: Sequence[int], block_tables:
 class DecodeGraphs:
     """The captured decode forwards of one runner, by bucket, and their static buffers."""
 
+    lora = None  # a LoraTable when the recorded steps add adapters' deltas (CPU step graphs); never on CUDA
+
     def __init__(self, runner: Any, buckets: Sequence[int], max_model_len: int, scratch_block: int) -> None:
         self.runner = runner  # pagoda.model.runner.TorchModelRunner: its model, KV caches and backend
         self.buckets = tuple(sorted(buckets))

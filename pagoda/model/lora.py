@@ -14,12 +14,17 @@ Design note.
   are split as their base projection is: a column-parallel one keeps its B rows (its heads, its part of the
   intermediate size) and the whole A; a row-parallel one (o, down) its A columns and the whole B, its partial
   delta summed by the group with the base's partial product.
-- Per-row deltas, batch invariant. A step's rows are grouped by adapter. For each adapted projection, each group's
-  rows are gathered, padded to the kernel's row multiple, multiplied by A and then by B on the model's float
-  matmul kernel (an int8 or int4 base keeps its adapters in float32), and added to their rows of the base
-  product. The two products are the same `PackedWeight`s the base runs on, with their calls capped at the row
-  counts this machine proved row invariant (pagoda/model/invariance.py): a row's delta has the bits it has alone,
-  whichever other rows and adapters share its step, and the add is one per element. Base rows add nothing.
+- Per-row deltas, batch invariant. A step may mix base rows and rows of several adapters; each row adds its own
+  adapter's delta, with bits that depend on its inputs and adapter only:
+  - On a CPU with pagoda's C++ kernels (AVX2 and FMA): one call per projection for every row of every adapter
+    (pagoda/kernels/cpu_lora.cpp, the grouped idea of punica / S-LoRA), each row one fixed instruction sequence.
+    The step's adapters are named by a `LoraTable` of addresses, one tensor for the runner's life, so a recorded
+    decode step (pagoda/model/cpu_graphs.py, with `EngineConfig.enable_lora`) replays steps with adapter rows
+    too: a LoRA node follows each adaptable product, and a base row's node does nothing.
+  - Elsewhere (a GPU, a CPU without AVX2): each adapter's rows are gathered, padded to the kernel's row multiple,
+    and multiplied by A and then B on the model's float matmul kernel (an int8 or int4 base keeps its adapters in
+    float32), in calls of the row counts this machine proved row invariant (pagoda/model/invariance.py); the delta
+    is added to its rows, one add per element.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor
 
 from pagoda.core.adapters import AdapterError, AdapterInfo
+from pagoda.kernels import cpu_native
 from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.llama import LinearThreads, Transformer
 from pagoda.model.matmul import (MKL_PADDED, ONEDNN, ONEDNN_PACKED, PLAIN, TRITON_INVARIANT, Linear, MatmulKernel,
@@ -109,29 +115,36 @@ def adapter_kernel(model: Transformer) -> MatmulKernel:
 
 @dataclass
 class ModuleDelta:
-    """One adapted projection's stacked A [R, in] and scaled, block-diagonal B [out, R], packed for the kernel."""
+    """One adapted projection's stacked A [R, in] and scaled, block-diagonal B, transposed: Bt [R, out].
+
+    On a CPU with pagoda's C++ kernels every row's delta is one call per projection (`cpu_native.lora_add`);
+    elsewhere each adapter's rows are two products on the float kernel (`a_packed`, `b_packed` over A and B)."""
 
     a: Tensor
-    b: Tensor
-    a_packed: PackedWeight
-    b_packed: PackedWeight
-    row_multiple: int
+    bt: Tensor
+    products: tuple[PackedWeight, PackedWeight, Tensor] | None = None  # (A's, B's, B [out, R]); None: the C++ kernel
+    row_multiple: int = 1
 
     def delta(self, x: Tensor) -> Tensor:
-        """x [n, in] -> scale * (x A) B [n, out], each row's bits its own (rows padded to the row multiple)."""
+        """x [n, in] -> scale * (x A) B [n, out] on the float kernel, each row's bits its own (rows padded to the
+        row multiple, calls of proven row counts)."""
+        a_packed, b_packed, b = self.products
         n = x.shape[0]
         pad = -n % self.row_multiple
         if pad:
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-        xa = self.a_packed.product(x.to(self.a.dtype), self.a, None)
-        return self.b_packed.product(xa, self.b, None)[:n]
+        xa = a_packed.product(x.to(self.a.dtype), self.a, None)
+        return b_packed.product(xa, b, None)[:n]
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes(w) for p, w in ((self.a_packed, self.a), (self.b_packed, self.b)))
+        if self.products is None:
+            return (self.a.numel() + self.bt.numel()) * self.a.element_size()
+        a_packed, b_packed, b = self.products
+        return a_packed.nbytes(self.a) + b_packed.nbytes(b)
 
     def packs(self) -> list[tuple[PackedWeight, Tensor]]:
-        return [(self.a_packed, self.a), (self.b_packed, self.b)]
+        return [] if self.products is None else [(self.products[0], self.a), (self.products[1], self.products[2])]
 
 
 @dataclass
@@ -140,6 +153,7 @@ class LoraAdapter:
 
     info: AdapterInfo
     modules: dict[Linear, ModuleDelta] = field(default_factory=dict)
+    entries: Tensor | None = None  # its rows of the runner's LoraTable (pagoda's C++ kernel), kept with its tensors
 
 
 @dataclass(frozen=True)
@@ -205,7 +219,7 @@ def _read_tensors(path: Path) -> dict[str, Tensor]:
 
 
 def load_adapter(model: Transformer, name: str, directory: str | Path, max_rank: int, *,
-                 batch_invariant: bool = True) -> LoraAdapter:
+                 batch_invariant: bool = True, table: LoraTable | None = None) -> LoraAdapter:
     """Read, check and place a PEFT LoRA directory over `model` (this rank's shard of it); AdapterError if refused."""
     directory = Path(directory)
     config = read_config(directory, max_rank)
@@ -260,6 +274,8 @@ def load_adapter(model: Transformer, name: str, directory: str | Path, max_rank:
         adapter.modules[linear] = _module_delta(linear, parts, kernel, device)
     packs = [p for delta in adapter.modules.values() for p in delta.packs()]
     prove_row_invariance(packs, torch.float32, batch_invariant)
+    if table is not None:
+        adapter.entries = table.entries(adapter.modules)
     nbytes = sum(delta.nbytes for delta in adapter.modules.values())
     adapter.info = AdapterInfo(name=name, path=str(directory), rank=max(ranks), nbytes=nbytes,
                                target_modules=adapter.info.target_modules)
@@ -277,23 +293,106 @@ def _module_delta(linear: Linear, parts: list[tuple[Tensor, Tensor, int]], kerne
         b_all[offset : offset + b.shape[0], col : col + a.shape[0]] = b
         col += a.shape[0]
     a_all, b_all = a_all.to(device), b_all.to(device)
-    delta = ModuleDelta(a_all, b_all, PackedWeight(kernel), PackedWeight(kernel), kernel.row_multiple)
-    delta.a_packed.pack(a_all)
-    delta.b_packed.pack(b_all)
+    if native(device):
+        return ModuleDelta(a_all, b_all.T.contiguous())
+    delta = ModuleDelta(a_all, b_all.T.contiguous(), (PackedWeight(kernel), PackedWeight(kernel), b_all),
+                        kernel.row_multiple)
+    delta.products[0].pack(a_all)
+    delta.products[1].pack(b_all)
     return delta
 
 
+def native(device: torch.device) -> bool:
+    """Whether deltas run on pagoda's C++ kernel here (a CPU with AVX2 and FMA)."""
+    return device.type == "cpu" and cpu_native.available()
+
+
+class LoraTable:
+    """Where a step's adapters are for pagoda's C++ kernel: each adaptable projection of the model by number, and a
+    table [slots, projections, 3] int64 whose row `slot` holds (A's address, B^T's address, rank) of the adapter in
+    that slot, for each projection (rank 0: it leaves the projection alone).
+
+    The table is one tensor for the runner's life: a recorded step names it, and each step writes its adapters'
+    rows into it before it runs (eager or replayed), so one program serves any mix of adapters."""
+
+    def __init__(self, model: Transformer, slots: int) -> None:
+        self.index: dict[Linear, int] = {}
+        for layer in model.model.layers:
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if not model.config.num_experts:  # a mixture of experts adapts its attention only (_parts)
+                linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for linear in linears:
+                self.index[linear] = len(self.index)
+        self.table = torch.zeros(slots, len(self.index), 3, dtype=torch.int64)
+
+    def entries(self, modules: dict[Linear, ModuleDelta]) -> Tensor:
+        """An adapter's rows of the table: [projections, 3]."""
+        entries = torch.zeros(len(self.index), 3, dtype=torch.int64)
+        for linear, delta in modules.items():
+            entries[self.index[linear]] = torch.tensor([delta.a.data_ptr(), delta.bt.data_ptr(), delta.a.shape[0]])
+        return entries
+
+    def place(self, adapters: list[LoraAdapter]) -> None:
+        """Write the step's adapters into slots 0, 1, ... in order."""
+        if len(adapters) > self.table.shape[0]:
+            raise ValueError(f"{len(adapters)} adapters in one step, more than the {self.table.shape[0]} slots")
+        for slot, adapter in enumerate(adapters):
+            self.table[slot].copy_(adapter.entries)
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """Which adapter each row of a step adds: `row_slot` [rows] indexes `adapters` (-1: the base, and padding).
+
+    With a `table` (pagoda's C++ kernel) the adapters are written into its slots; without, `groups` holds each
+    adapter's rows, ascending, for the products on the float kernel."""
+
+    adapters: list[LoraAdapter]
+    row_slot: Tensor
+    table: LoraTable | None = None
+    groups: list[Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, loaded: dict[str, LoraAdapter], names: Iterable[str | None], query_lens: Iterable[int],
+           num_rows: int, device: torch.device, table: LoraTable | None) -> LoraStep:
+        """Chunk i holds `query_lens[i]` consecutive rows and adds adapter `names[i]`; rows past them are padding."""
+        adapters, which = slots_of(loaded, names, query_lens, num_rows)
+        row_slot = torch.tensor(which, dtype=torch.int64)
+        if table is not None:
+            table.place(adapters)
+            return cls(adapters, row_slot, table)
+        groups = [(row_slot == i).nonzero().flatten().to(device) for i in range(len(adapters))]
+        return cls(adapters, row_slot.to(device), None, groups)
+
+
+def slots_of(loaded: dict[str, LoraAdapter], names: Iterable[str | None], query_lens: Iterable[int],
+             num_rows: int) -> tuple[list[LoraAdapter], list[int]]:
+    """The step's adapters in order of first appearance, and each row's slot among them (-1: none)."""
+    order: dict[str, int] = {}
+    which = [-1] * num_rows
+    start = 0
+    for name, n in zip(names, query_lens):
+        if name is not None:
+            which[start : start + n] = [order.setdefault(name, len(order))] * n
+        start += n
+    return [loaded[name] for name in order], which
+
+
 class AdaptedLinears:
-    """A step's linear layers with each adapter's delta added to its rows (the design note).
+    """A step's linear layers with each row's adapter delta added (the design note)."""
 
-    `groups`: (adapter, the rows [n] of the step that add it), rows in ascending order; the others add nothing."""
-
-    def __init__(self, inner: LinearThreads, groups: list[tuple[LoraAdapter, Tensor]]) -> None:
-        self.inner, self.groups = inner, groups
+    def __init__(self, inner: LinearThreads, step: LoraStep) -> None:
+        self.inner, self.step = inner, step
 
     def linear(self, layer: Any, x: Tensor) -> Tensor:
         out = self.inner.linear(layer, x)
-        for adapter, rows in self.groups:
+        step = self.step
+        if step.table is not None:  # pagoda's C++ kernel: every row of every adapter in one call
+            index = step.table.index.get(layer)
+            if index is not None:
+                cpu_native.lora_apply(out, x, step.table.table, index, step.row_slot)
+            return out
+        for adapter, rows in zip(step.adapters, step.groups):
             delta = adapter.modules.get(layer)
             if delta is not None:
                 out.index_add_(0, rows, delta.delta(x.index_select(0, rows)).to(out.dtype))
@@ -301,15 +400,3 @@ class AdaptedLinears:
 
     def __getattr__(self, name: str) -> Any:  # the inner threads' own (StepThreads.step, ...)
         return getattr(self.inner, name)
-
-
-def row_groups(adapters: dict[str, LoraAdapter], names: Iterable[str | None], query_lens: Iterable[int],
-               device: torch.device) -> list[tuple[LoraAdapter, Tensor]]:
-    """Each adapter of a step's chunks with the rows its chunks hold (chunk i: `query_lens[i]` consecutive rows)."""
-    rows: dict[str, list[int]] = {}
-    start = 0
-    for name, n in zip(names, query_lens):
-        if name is not None:
-            rows.setdefault(name, []).extend(range(start, start + n))
-        start += n
-    return [(adapters[name], torch.tensor(r, dtype=torch.int64, device=device)) for name, r in sorted(rows.items())]

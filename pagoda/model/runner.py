@@ -158,6 +158,9 @@ class TorchModelRunner:
         self.kv_caches = [allocate_kv_cache(*shape, self.dtype, self.device) for _ in range(c.num_hidden_layers)]
         self.batch_invariant = config.batch_invariant
         self.adapters: dict[str, lora.LoraAdapter] = {}  # loaded LoRA adapters by name (pagoda/model/lora.py)
+        # where a step's adapters are for pagoda's C++ kernel (None: their products run on the float kernel)
+        self.lora_table = lora.LoraTable(model, config.max_loras) if lora.native(self.device) else None
+        self.enable_lora = config.enable_lora  # step graphs hold LoRA nodes (EngineConfig)
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_summary = why_not if not asked else f"off: {why_not}; every step runs eagerly"
         if graphs:
@@ -172,7 +175,8 @@ class TorchModelRunner:
 
     def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
         """Read, check and hold a LoRA adapter (AdapterError, naming the field, when it is refused)."""
-        adapter = lora.load_adapter(self.model, name, path, max_rank, batch_invariant=self.batch_invariant)
+        adapter = lora.load_adapter(self.model, name, path, max_rank, batch_invariant=self.batch_invariant,
+                                    table=self.lora_table)
         self.adapters[name] = adapter
         return adapter.info
 
@@ -198,8 +202,9 @@ class TorchModelRunner:
     def run(self, plan: StepPlan) -> Tensor | None:
         """The forward of one step's plan: its KV written, float32 logits [sample rows, V] (None: none sample,
         or this rank is not the one that samples)."""
-        # a step with adapter rows runs eagerly: the graphs hold the base's products alone
-        if self.graphs is not None and not plan.adapters and (logits := self._replay(plan)) is not None:
+        # a step with adapter rows replays only a recording with LoRA nodes; else it runs eagerly
+        if (self.graphs is not None and (not plan.adapters or self.graphs.lora is not None)
+                and (logits := self._replay(plan)) is not None):
             return logits
         inputs = self.prepare(plan)
         with inputs.threads.step():  # a small CPU step: on one thread, but for its linear layers
@@ -218,8 +223,13 @@ class TorchModelRunner:
         return self.graphs.replay(bucket, len(plan.seq_lens))
 
     def fill_graph(self, bucket: int, plan: StepPlan) -> None:
-        """A graph step's input preparation: its rows copied into the static buffers."""
+        """A graph step's input preparation: its rows copied into the static buffers (and its adapters' slots)."""
         self.graphs.fill(bucket, plan.seq_lens, plan.token_ids, plan.block_tables)
+        if self.graphs.lora is not None:  # one row per sequence
+            names = plan.adapters or (None,) * len(plan.seq_lens)
+            adapters, slots = lora.slots_of(self.adapters, names, [1] * len(names), bucket)
+            self.graphs.lora.place(adapters)
+            self.graphs.row_slot[:bucket].copy_(torch.tensor(slots, dtype=torch.int64))
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the chunks into padded token rows and build the step's attention metadata."""
@@ -237,8 +247,8 @@ class TorchModelRunner:
         threads, backend = self._threads_for(meta, padded)
         linears = threads
         if plan.adapters:  # each chunk's rows add its adapter's delta
-            linears = lora.AdaptedLinears(threads, lora.row_groups(self.adapters, plan.adapters, plan.query_lens,
-                                                                   self.device))
+            linears = lora.AdaptedLinears(threads, lora.LoraStep.of(self.adapters, plan.adapters, plan.query_lens,
+                                                                     padded, self.device, self.lora_table))
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=positions,

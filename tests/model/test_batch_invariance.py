@@ -41,6 +41,7 @@ class RecordingRunner:
         self.max_chunks = 0  # the most requests one step carried
         self.max_adapters = 0  # the most LoRA adapters one step carried
         self.replays = 0  # decode steps replayed from a recorded graph (CPU step graphs, where the format has them)
+        self.adapter_replays = 0  # of which with LoRA adapter rows
 
     def execute(self, batch):
         self.max_chunks = max(self.max_chunks, len(batch.chunks))
@@ -48,7 +49,9 @@ class RecordingRunner:
         graphs = self.inner.graphs
         before = getattr(graphs, "replays", 0)
         out = self.inner.execute(batch)
-        self.replays += getattr(graphs, "replays", 0) - before
+        replayed = getattr(graphs, "replays", 0) - before
+        self.replays += replayed
+        self.adapter_replays += replayed * any(c.request.adapter is not None for c in batch.chunks)
         rows = iter(out.logits)  # per chunk: its prompt rows, then its last token's row and one per draft
         for chunk in batch.logits_chunks:
             for _ in range(chunk.num_prompt_rows):  # prompt logprobs: compared as the engine reports them
@@ -68,7 +71,7 @@ def run(model, jobs, *, num_blocks=256, block_size=4, max_batched_tokens=64, max
     adapters = adapters or {}
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_running=max_running,
                           max_batched_tokens=max_batched_tokens, max_model_len=512, max_loras=max(len(adapters), 1),
-                          max_lora_rank=64)
+                          max_lora_rank=64, enable_lora=bool(adapters))
     engine = make_engine(model, config, eos_token_ids=model.config.eos_token_ids, ranks=ranks)
     for name, path in adapters.items():
         engine.load_adapter(name, str(path))
@@ -131,9 +134,9 @@ def check_invariance(model, targets, *, tight_blocks, ranks=None, adapters=None)
     assert engine.runner.max_chunks >= 9  # at least one step carried nine requests
     if names:  # base rows and every adapter's in one step
         assert engine.runner.max_adapters == len(names)
-    if engine.runner.inner.graphs is not None and not names:  # step graphs: the crowd's decode steps were replays
-        # (a step with adapter rows runs eagerly)
+    if engine.runner.inner.graphs is not None:  # step graphs: the crowd's decode steps were replays
         assert engine.runner.replays > 0
+        assert engine.runner.adapter_replays > 0 or not names, "no step with adapter rows was replayed"
     for rid in alone:
         assert in_crowd[rid] == alone[rid], f"{rid} changed in a crowd"
         assert requests[rid].prompt_logprobs == alone_prompt[rid], f"{rid}'s prompt logprobs changed in a crowd"

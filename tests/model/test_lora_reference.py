@@ -109,3 +109,12 @@ def test_phi3_fused_projections_match_peft(tmp_path):
                                                                                           "gate_up_proj", "down_proj"),
                                   std=0.1)
     check_against_peft(model_dir, adapter, max_rank=16)
+
+
+def test_the_float_kernel_path_matches_peft(tiny_dir, tmp_path, monkeypatch):
+    """The deltas as products on the model's float kernel (where pagoda's C++ kernel does not run)."""
+    from pagoda.model import lora
+
+    monkeypatch.setattr(lora, "native", lambda device: False)
+    adapter = save_random_adapter(hf_model(tiny_dir), tmp_path / "ad", rank=8, std=0.1)
+    check_against_peft(tiny_dir, adapter, max_rank=16)
