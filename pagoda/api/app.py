@@ -13,6 +13,7 @@ the loop at start-up and stops it at shutdown.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from litestar.types import Guard
 
 from pagoda import __version__
 from pagoda.api.access_log import access_log_middleware
+from pagoda.api.adapters import adapter_cards, adapter_routes, check_adapter_name
 from pagoda.api.errors import handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
@@ -39,6 +41,7 @@ from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints, collect_model_card, collect_routes
 from pagoda.plugins.manager import collect_tool_parsers
 from pagoda.plugins.protocol import ServeContext
+from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import Route, RouteContext, ServedModel
 
 SCHEMA_PATH = "/schema"
@@ -70,11 +73,24 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                          aliases=settings.served_model_aliases,
                          architecture=async_engine.engine.describe().get("architecture"),
                          batch_invariant=async_engine.engine.describe().get("batch_invariant"))
-    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context)
+    for name in async_engine.adapters:  # loaded at start-up (--lora-modules): each needs a name of its own
+        try:
+            check_adapter_name(name, (settings.served_model_name, *settings.served_model_aliases))
+        except RequestError as exc:
+            raise ValueError(f"--lora-modules: {exc}") from None
+
+    def card_of(name: str) -> dict[str, Any]:  # the card of an adapter served as `name`: every plugin's fields
+        return collect_model_card(plugin_manager, dataclasses.replace(served, name=name, aliases=(),
+                                                                      created=int(time.time())))
+
+    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context,
+                                 adapters=adapter_cards(services, card_of))
     guards = [tenants.guard] if tenants.needs_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
     routes += [plugin_route(r, route_context, guards) for r in collect_routes(plugin_manager)]
     routes += health_routes(services, settings.health_timeout)
+    if settings.enable_lora_loading:  # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+        routes += adapter_routes(services, guards)
 
     def start_engine() -> None:
         if not async_engine.is_running:

@@ -27,7 +27,7 @@ import msgspec
 from litestar import Request, Response
 
 from pagoda.api.http_errors import error_response, http_error
-from pagoda.plugins.protocol import Endpoint
+from pagoda.plugins.protocol import Endpoint, ErrorShape
 from pagoda.plugins.request_fields import RequestError
 
 logger = logging.getLogger("pagoda.api")
@@ -82,12 +82,17 @@ def check_fields(body_type: type, data: Mapping[str, Any]) -> None:
 
 def strict_body(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response[Any] | None]]:
     """The endpoint route's before_request hook: decode the body, or answer in the protocol's shape."""
+    return strict_body_of(endpoint.body_type, endpoint.errors)
+
+
+def strict_body_of(body_type: type, errors: ErrorShape | None) -> Callable[[Request], Awaitable[Response[Any] | None]]:
+    """A POST route's before_request hook: decode the body as `body_type`, or answer in `errors`' shape."""
 
     async def before_request(request: Request) -> Response[Any] | None:
         try:
-            body = decode_body(endpoint.body_type, await request.body(), request.headers.get("content-type"))
+            body = decode_body(body_type, await request.body(), request.headers.get("content-type"))
         except RequestError as exc:
-            return error_response(endpoint.errors, http_error(exc))
+            return error_response(errors, http_error(exc))
         setattr(request.state, STATE_KEY, body)
         return None
 

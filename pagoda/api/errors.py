@@ -15,6 +15,7 @@ from typing import Any
 from litestar import Request, Response
 
 from pagoda.api.http_errors import error_response, errors_of, http_error
+from pagoda.core.adapters import AdapterError, UnknownAdapter
 from pagoda.core.async_engine import EngineDeadError, GenerationError, RequestAborted
 from pagoda.core.constraint import ConstraintError
 from pagoda.core.scheduler import AdmissionError, ContextLengthExceeded, QueueFull
@@ -33,6 +34,10 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ContextLengthExceeded):
         return ApiError(400, str(exc), exc.field, "context_length_exceeded")
     if isinstance(exc, ConstraintError):  # a schema, regex or grammar the engine cannot compile
+        return ApiError(400, str(exc), exc.field)
+    if isinstance(exc, UnknownAdapter):  # unloaded between the model's check and admission: as if never served
+        return ApiError(404, str(exc).split(" (loaded:")[0], "model", "model_not_found")
+    if isinstance(exc, AdapterError):  # an adapter refused at load: its config field, tensor, lora_name or lora_path
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, (AdmissionError, ValueError)):
         return ApiError(400, str(exc))

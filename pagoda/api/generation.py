@@ -1,6 +1,7 @@
 """The one handler every protocol endpoint runs through, and the life of its engine request.
 
     handler    body (decoded by Litestar into the endpoint's Struct; the API key matched to a tenant by a guard)
+               -> its model (the served one, or a LoRA adapter the tenant may use: served_model; else 404)
                -> endpoint.prepare -> the tenant's limits (a Ticket, or 429: pagoda.api.tenant_limits)
                -> an Exchange in a GenerationResponse; nothing has reached the engine yet
     responder  (the response's ASGI call) the job, a task consuming engine.generate's answer deltas
@@ -44,10 +45,12 @@ from pagoda.api.client_watch import SEND_STALL, ClientGone, ClientWatch, end_job
 from pagoda.api.drain import DrainState
 from pagoda.api.errors import api_error
 from pagoda.api.http_errors import ERRORS_OPT, error_response
+from pagoda.api.keys_file import Tenant
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.api.tenant_limits import Refusal, TenantLimits, Ticket
-from pagoda.api.tenants import TenantTable
+from pagoda.api.tenants import OPEN, TenantTable
+from pagoda.core.adapters import AdapterInfo
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.outputs import AnswerDelta
 from pagoda.core.sampling_params import SamplingParams
@@ -100,8 +103,10 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
     if unavailable is not None:
         services.metrics.rejected.labels(reason=unavailable[0]).inc()
         return error_response(endpoint.errors, ApiError(503, unavailable[1]))
+    tenant = services.tenants.of(request)
+    access_record(request.scope).tenant = tenant.name
     try:
-        model = served_model(services, getattr(body, "model", None))
+        model, adapter = served_model(services, getattr(body, "model", None), tenant)
         prepared = endpoint.prepare(body, services.context)
         for engine_request in [prepared] if isinstance(prepared, EngineRequest) else prepared:
             engine_request.sampling_params = with_generation_defaults(body, engine_request.sampling_params,
@@ -109,14 +114,12 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
         choices = fan_out(prepared)  # one engine request per choice, in the response's index order
     except Exception as exc:
         return error_response(endpoint.errors, api_error(exc))
-    tenant = services.tenants.of(request)
-    access_record(request.scope).tenant = tenant.name
     ticket = services.tenant_limits.admit(tenant, sum(len(c.prompt_token_ids) for c in choices))
     if isinstance(ticket, Refusal):
         return tenant_refusal(endpoint, ticket)
     exchange = Exchange(id=endpoint.new_id(), created=int(time.time()), model=model, body=body,
                         request=choices[0], tokenizer=services.context.tokenizer, choices=choices)
-    return GenerationResponse(Responder(endpoint, services, exchange, request, ticket))
+    return GenerationResponse(Responder(endpoint, services, exchange, request, ticket, adapter))
 
 
 def tenant_refusal(endpoint: Endpoint, refusal: Refusal) -> Response[Any]:
@@ -126,15 +129,29 @@ def tenant_refusal(endpoint: Endpoint, refusal: Refusal) -> Response[Any]:
     return response
 
 
-def served_model(services: Services, asked: str | None) -> str:
-    """The name a response reports: the one asked for, if it is served; refuses another with 404 model_not_found."""
+def served_model(services: Services, asked: str | None, tenant: Tenant = OPEN) -> tuple[str, str | None]:
+    """(the name a response reports, the LoRA adapter the request runs with; None: the base model).
+
+    The one place a request's `model` is resolved: the served name or an alias is the base model; the name of a
+    loaded adapter the tenant may use (`Tenant.adapters`) is that adapter, reported as its own name; any other
+    name is refused with 404 model_not_found, naming what this tenant may ask for."""
     if asked in services.model_names:
-        return asked
+        return asked, None
+    adapters = visible_adapters(services, tenant)
+    if asked is not None and asked in adapters:
+        return asked, asked
     if services.model_names and asked is not None:
         served = ", ".join(map(repr, services.model_names))
+        if adapters:
+            served += f", and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
         raise RequestError(f"model {asked!r} does not exist; this server serves {served}", "model", status=404,
                            code="model_not_found")
-    return services.context.model_name
+    return services.context.model_name, None
+
+
+def visible_adapters(services: Services, tenant: Tenant = OPEN) -> dict[str, AdapterInfo]:
+    """The loaded LoRA adapters `tenant` may name as its model, by name (an adapter being unloaded is not)."""
+    return {name: info for name, info in services.engine.adapters.items() if tenant.may_use(name)}
 
 
 def with_generation_defaults(body: Any, params: SamplingParams, defaults: dict[str, Any]) -> SamplingParams:
@@ -167,12 +184,13 @@ class Responder:
     """One generation request, from admission to its last write: an ASGI app called once."""
 
     def __init__(self, endpoint: Endpoint, services: Services, exchange: Exchange, request: Request,
-                 ticket: Ticket) -> None:
+                 ticket: Ticket, adapter: str | None = None) -> None:
         self.endpoint = endpoint
         self.services = services
         self.exchange = exchange
         self.request = request
         self.ticket = ticket  # its place in its tenant's limits, released in the one `finally`
+        self.adapter = adapter  # the LoRA adapter every choice runs with (None: the base model)
         self.record = access_record(request.scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -215,7 +233,7 @@ class Responder:
                                           self.exchange.id if len(choices) == 1 else f"{self.exchange.id}-{k}",
                                           on_admitted=on_admitted, cache_salt=g.cache_salt, tenant=tenant.cache_key,
                                           priority=tenant.priority if g.priority is None else g.priority,
-                                          weight=tenant.weight),
+                                          weight=tenant.weight, adapter=self.adapter),
             self.record)) for k, g in enumerate(choices)]
         mailbox: asyncio.Queue[Any] = asyncio.Queue()  # what a stream's writer waits on (pagoda.api.stream_writer)
         if not self.exchange.request.stream:

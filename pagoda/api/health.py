@@ -3,6 +3,10 @@
 Both read the stats the engine loop published after its latest turn
 (`AsyncEngine.latest_stats`): the loop's own numbers, answered at once instead
 of after the step in progress (a step under load takes hundreds of ms).
+LoRA adapters are resident memory beside the weights and the KV pool: /health
+lists each one requests may name (`lora_adapters`: name, path, rank, bytes,
+target modules) beside the stats' `lora_adapters_loaded`, `lora_adapter_bytes`
+and `lora_adapters_in_use`, which /metrics has as gauges.
 
 GET /v1/models and the chat page are plugin routes (pagoda/plugins/builtin/models.py, chat_page.py).
 """
@@ -40,7 +44,8 @@ def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHa
         except EngineDeadError as exc:
             return Response({"status": "unavailable", "error": str(exc), **described}, status_code=503)
         # set at start-up: the setting and the runner's row multiple
-        stats = {**stats, "speculation": speculation, **described}
+        stats = {**stats, "speculation": speculation, **described,
+                 "lora_adapters": [info.describe() for info in services.engine.adapters.values()]}
         if services.drain.draining:
             return Response({"status": "draining", **stats}, status_code=503)
         return Response({"status": "ok", **stats}, status_code=200)

@@ -1,10 +1,13 @@
 """The keys file (`pagoda serve --api-keys-file FILE`): who may call the server, as tenants.
 
     {"tenants": [{"name": "team-a", "key_sha256": "<hex of sha256(key)>", "weight": 1, "priority": 0,
-                  "max_concurrent": 64, "requests_per_minute": 600, "tokens_per_minute": 200000}]}
+                  "max_concurrent": 64, "requests_per_minute": 600, "tokens_per_minute": 200000,
+                  "adapters": ["support-bot"]}]}
 
 JSON (`.json`) or TOML (`.toml`, an array of tables `[[tenants]]`); only `name` and `key_sha256` are
 required. Keys are never stored: only their SHA-256, so the file can be read by more people than the keys.
+`adapters` limits a tenant to those LoRA adapters (by the names they are served as; the base model stays
+allowed): another adapter does not exist for it (404). Absent: every adapter.
 
 Design note. A file is read whole into a tuple of frozen `Tenant`s or refused whole with a `KeysFileError`
 that says where: the parser's line for a syntax error, else the entry's index and the field. An unknown field
@@ -28,7 +31,7 @@ DEFAULT_TENANT = "default"  # the tenant of `--api-key`, and the one label of a 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # a metric label value and a log word: no spaces, bounded
 _LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
-_FIELDS = {"name", "key_sha256", "weight", "priority", *_LIMITS}
+_FIELDS = {"name", "key_sha256", "weight", "priority", "adapters", *_LIMITS}
 
 
 class KeysFileError(ValueError):
@@ -48,6 +51,12 @@ class Tenant:
     tokens_per_minute: int | None = None  # prompt + generated tokens in the last 60 seconds
     # The prefix cache's tenant key (Request.tenant): blocks are shared only within one tenant. None = shared.
     cache_key: str | None = None
+    # The LoRA adapters it may name as its model (the base model always); None = every adapter.
+    adapters: frozenset[str] | None = None
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether this tenant may name the LoRA adapter `adapter` (loaded or not)."""
+        return self.adapters is None or adapter in self.adapters
 
 
 def tenant_cache_key(name: str) -> str:
@@ -118,7 +127,17 @@ def _tenant(entry: Any, where: str) -> Tenant:
         if value is not None and (not _is_int(value) or value < 1):
             raise KeysFileError(f"{where}.{field}: a positive integer (or absent: no limit), got {value!r}")
         limits[field] = value
-    return Tenant(name, bytes.fromhex(digest), float(weight), priority, cache_key=tenant_cache_key(name), **limits)
+    return Tenant(name, bytes.fromhex(digest), float(weight), priority, cache_key=tenant_cache_key(name),
+                  adapters=_adapters(entry.get("adapters"), where), **limits)
+
+
+def _adapters(value: Any, where: str) -> frozenset[str] | None:
+    """A tenant's `adapters`: a list of adapter names (possibly empty: the base model only), or absent."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        raise KeysFileError(f"{where}.adapters: a list of LoRA adapter names (non-empty strings), got {value!r}")
+    return frozenset(value)
 
 
 def _check_unique(tenants: tuple[Tenant, ...], where: str) -> None:

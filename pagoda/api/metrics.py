@@ -74,6 +74,12 @@ class EngineCollector(Collector):
                        s.get("spec_decode_draft_tokens_total", 0))
         yield _counter("pagoda_spec_decode_accepted_tokens", "Draft tokens accepted (equal to the greedy token).",
                        s.get("spec_decode_accepted_tokens_total", 0))
+        # LoRA adapters: resident memory beside the weights and the KV pool.
+        yield _gauge("pagoda_lora_adapters_loaded", "LoRA adapters loaded now.", s.get("lora_adapters_loaded", 0))
+        yield _gauge("pagoda_lora_adapter_bytes", "Bytes the loaded LoRA adapters' weights hold.",
+                     s.get("lora_adapter_bytes", 0))
+        yield _gauge("pagoda_lora_adapters_in_use", "LoRA adapters with requests in flight now.",
+                     s.get("lora_adapters_in_use", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

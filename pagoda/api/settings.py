@@ -35,6 +35,8 @@ class ServeSettings:
     refuse_unknown_models: bool = True  # a request naming another model gets 404 model_not_found
     allowed_origins: tuple[str, ...] = ()  # origins a browser may call from (CORS); none by default
     request_limits: RequestLimits = DEFAULT_LIMITS  # stop strings, logprobs, max_tokens of one request
+    # --enable-lora-loading: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (pagoda.api.adapters)
+    enable_lora_loading: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spreads = [int(x) for x in args.adapters.split(",")]
     options = EngineOptions(model=args.model, quantization=args.quantization, max_running=max(clients),
                             enable_prefix_caching=False, max_loras=max(spreads), max_lora_rank=args.rank,
+                            enable_lora_loading=True,
                             max_model_len=args.prompt_tokens + args.max_tokens + 8,
                             max_batched_tokens=max(512, max(clients)))
     engine, _, _ = build_engine(options, progress=False)

@@ -8,6 +8,7 @@ so that a test can check each flag's way without loading a model (tests/cli/test
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -97,6 +98,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: the model's); any other name is refused with 404")
     p.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                    help="origins a browser page may call the API from (CORS); none by default")
+    lora = p.add_argument_group("LoRA adapters (vLLM's flags; docs/reliability.md)")
+    lora.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                      help="PEFT LoRA adapter directories loaded at start-up, each served as the model NAME (listed "
+                           "by /v1/models with the served model as its parent); also vLLM's JSON form "
+                           "'{\"name\": NAME, \"path\": PATH}'")
+    lora.add_argument("--max-loras", type=int, default=EngineConfig.max_loras, metavar="N",
+                      help="distinct adapters with requests in one step (a request for another waits)")
+    lora.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank, metavar="R",
+                      help="an adapter of a higher rank is refused when it is loaded")
+    lora.add_argument("--enable-lora-loading", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), which load "
+                           "and unload adapters while serving (behind the API key when one is set)")
     limits, g = RequestLimits(), p.add_argument_group("request limits (over one: 400 naming the field)")
     g.add_argument("--max-stop-strings", type=int, default=limits.max_stop, metavar="N",
                    help="stop strings one request may send")
@@ -124,7 +137,48 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
                          enable_prefix_caching=args.prefix_caching, max_waiting=args.max_waiting,
                          speculative=args.speculative, scheduling_policy=args.scheduling_policy,
                          scheduling_policies=scheduling_policies, batch_invariant=args.batch_invariant,
-                         cuda_graphs=args.cuda_graphs, cpu_graphs=args.cpu_graphs, **parallel_fields(args))
+                         cuda_graphs=args.cuda_graphs, cpu_graphs=args.cpu_graphs,
+                         lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras,
+                         max_lora_rank=args.max_lora_rank, enable_lora_loading=args.enable_lora_loading,
+                         **parallel_fields(args))
+
+
+def lora_modules(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules' (name, path) pairs: each NAME=PATH, or vLLM's JSON '{"name": NAME, "path": PATH}'."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules {value!r}: not JSON ({exc.msg})") from None
+            if not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+                raise ValueError(f"--lora-modules {value!r}: the JSON form needs \"name\" and \"path\" strings")
+            unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+            if unknown:
+                raise ValueError(f"--lora-modules {value!r}: unknown field {unknown[0]!r} (known: name, path, "
+                                 f"base_model_name)")
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules {value!r}: expected NAME=PATH")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {value!r}: both the name and the path must be given")
+        modules.append((name, path))
+    return tuple(modules)
+
+
+def check_lora_modules(modules: tuple[tuple[str, str], ...], served_names: list[str]) -> None:
+    """What can be refused before the model loads: a name the served model has, a directory that is not there
+    (every other check of an adapter needs the model: Engine.load_adapter makes it)."""
+    for name, path in modules:
+        if name in served_names:
+            raise ValueError(f"LoRA adapter {name!r} ({path}) refused: {name!r} is the served model's name; an "
+                             f"adapter needs a name of its own [field: lora_name]")
+        if not Path(path).expanduser().is_dir():
+            raise ValueError(f"LoRA adapter {name!r} ({path}) refused: lora_path {path!r} is not a directory "
+                             f"[field: lora_path]")
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -143,6 +197,7 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
         max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
         request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout, allowed_origins=tuple(args.allowed_origins), request_limits=limits,
+        enable_lora_loading=args.enable_lora_loading,
         generation_defaults=generation_defaults(model_dir) if args.generation_config == "auto" else {})
 
 
@@ -172,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             read_keys_file(args.api_keys_file)
         plugins = register_families(load_plugins(disabled=args.disable_plugin))
         options = engine_options(args, Architectures(collect_architectures(plugins)), collect_scheduling_policies(plugins))
+        # an adapter's name or a missing directory is refused before the model loads, too
+        check_lora_modules(options.lora_modules, args.served_model_name or [served_name(args.model)])
         model_dir = resolve_model(options.model, layouts=options.architectures.gguf_layouts)
         status = serve_as_worker(model_dir, options)  # under torchrun, a rank other than 0
         if status is not None:

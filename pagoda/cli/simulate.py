@@ -13,7 +13,7 @@ from pagoda.core.routing import BALANCE_REL_THRESHOLD, POLICIES
 from pagoda.core.scheduling import BUILTIN_POLICIES
 from pagoda.simulator.crowd import (
     ClientPlan, agent_crowd, chat_crowd, crowd_to_json, load_crowd, mixed_crowd, noisy_neighbour_crowd,
-    shared_prefix_crowd,
+    shared_prefix_crowd, with_adapters,
 )
 from pagoda.simulator.fleet import FleetConfig, FleetReport, simulate_fleet
 from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                 help="the scheduling policy (default fcfs); a crowd's plans may carry tenant, priority "
                                      "and weight")
     add_renamed_option(p, "--policy", scheduling)
+    p.add_argument("--max-loras", type=int, default=EngineConfig.max_loras, metavar="N",
+                   help="the most distinct LoRA adapters running at once (default %(default)s); a crowd's plans may "
+                        "name an adapter, which the simulation loads")
+    p.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="a generated crowd's conversations ask in turn for the base model and N LoRA adapters "
+                        "(lora0, lora1, ...; default 0: the base alone)")
     p.add_argument("--think-time", type=float, default=0.0, metavar="S",
                    help="noisy-neighbour: virtual seconds a client takes between an answer and its next request "
                         "(default 0: at once)")
@@ -70,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--arrival-rate must be > 0")
     if args.think_time < 0:
         raise SystemExit("--think-time must be >= 0")
+    if args.max_loras < 1:
+        raise SystemExit("--max-loras must be >= 1")
+    if args.adapters < 0:
+        raise SystemExit("--adapters must be >= 0")
+    if args.adapters and args.crowd:
+        raise SystemExit("--adapters shapes a generated crowd; a --crowd file's plans name their own adapter")
     if args.crowd:
         try:
             plans = load_crowd(args.crowd)
@@ -79,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         plans = make_crowd(args.crowd_shape, args.seed, args.clients, args.hangup_fraction, args.arrival_rate,
                            args.think_time)
+        if args.adapters:
+            plans = with_adapters(plans, tuple(f"lora{i}" for i in range(args.adapters)))
     if args.save_crowd:
         with open(args.save_crowd, "w") as f:
             f.write(crowd_to_json(plans))
@@ -89,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         max_batched_tokens=args.max_batched_tokens,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
+        max_loras=args.max_loras,
     )
     config = SimulationConfig(engine=engine, model_seed=args.seed)
     if args.replicas == 1 and args.router_policy is None:

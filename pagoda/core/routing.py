@@ -1,14 +1,16 @@
 """Routing policies: which replica of a fleet serves a request.
 
 Design note. A router sees, per request, its prompt tokens and cache keys
-(`cache_salt`, tenant), and per replica one load number (requests sent there
+(`cache_salt`, tenant, the LoRA adapter it asks for), and per replica one load number (requests sent there
 and not yet answered); it answers a replica index. It cannot see a replica's prefix
 cache, so the `prefix` policy keeps its own approximate index per replica, as
 SGLang's cache-aware router keeps a radix tree per worker: the chained block
 hashes of every prompt it sent there, least recently routed evicted first once
 the index holds as many blocks as the replica's pool. The hashes are the
-engine's own (`core/block_hash.py`, on a request holding the prompt), so salt
-and tenant separate prompts here exactly as they do in the cache.
+engine's own (`core/block_hash.py`, on a request holding the prompt), so salt,
+tenant and adapter separate prompts here exactly as they do in the cache: a
+conversation under adapter X follows X's cached turns, and the same prompt under
+adapter Y or the base model matches none of them.
 
 `prefix` in the spirit of SGLang's cache-aware policy: when the loads are
 imbalanced beyond BOTH an absolute and a relative threshold
@@ -70,6 +72,7 @@ class RouteRequest:
     prompt_token_ids: Sequence[int]
     cache_salt: str | None = None
     tenant: str | None = None
+    adapter: str | None = None  # the LoRA adapter its rows add (None: the base model); its KV is its own
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ def least_loaded(loads: Sequence[int], candidates: Sequence[int]) -> int:
 def prompt_block_hashes(request: RouteRequest, block_size: int) -> list[int]:
     """The chained hashes of the prompt's full blocks, by the prefix cache's own function and keys."""
     held = Request("route", list(request.prompt_token_ids), SamplingParams(), cache_salt=request.cache_salt,
-                   tenant=request.tenant)
+                   tenant=request.tenant, adapter=request.adapter)
     return block_hash.block_hashes(held, block_size, len(held.prompt_token_ids) // block_size)
 
 

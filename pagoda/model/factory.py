@@ -8,6 +8,9 @@
   and tests); the runner's KV pool is the config's, given once.
 - `engine_config(options, model_config, kv_dtype, device)`: the EngineConfig the options make for a
   model (the context and the pool sized from memory where the options leave them open).
+- The options' LoRA adapters (`--lora-modules NAME=PATH`) are loaded by `load_engine` once the engine is built,
+  through `Engine.load_adapter` (which a tensor-parallel runner hands every rank); a refused one closes the
+  engine and raises AdapterError naming the adapter and its field.
 - `load_shard(model_dir, options, group)` (pagoda/model/loader.py): one rank's part of the model (all of it
   alone), which rank 0 and the worker ranks of a tensor-parallel group load alike (pagoda/model/ranks.py).
 
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.core.adapters import AdapterError
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
 from pagoda.core.machine import configure_threads
@@ -79,6 +83,13 @@ class EngineOptions:
     batch_invariant: bool | None = None
     cuda_graphs: bool = EngineConfig.cuda_graphs  # --cuda-graphs: decode-only steps replay CUDA graphs (CUDA only)
     cpu_graphs: bool = EngineConfig.cpu_graphs  # --no-cpu-graphs: every CPU step eagerly (pagoda/model/cpu_graphs.py)
+    # --lora-modules NAME=PATH...: PEFT adapter directories loaded at start-up, each served as the model NAME
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = EngineConfig.max_loras  # --max-loras: distinct adapters with rows in one step
+    max_lora_rank: int = EngineConfig.max_lora_rank  # --max-lora-rank: a higher-rank adapter is refused at load
+    # --enable-lora-loading: adapters may come while serving; with --lora-modules, the engine expects adapters
+    # (EngineConfig.enable_lora: CPU step graphs replay their rows)
+    enable_lora_loading: bool = False
 
     def invariant_on(self, device: torch.device) -> bool:
         """Whether answers must not depend on the batch, on this device."""
@@ -95,7 +106,7 @@ class EngineOptions:
 
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        for name in ("block_size", "max_running", "max_batched_tokens"):
+        for name in ("block_size", "max_running", "max_batched_tokens", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -104,6 +115,14 @@ class EngineOptions:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         make_policy(self.scheduling_policy, self.scheduling_policies)  # an unknown name is refused now
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            if not isinstance(name, str) or not name or name != name.strip():
+                raise ValueError(f"lora_modules: an adapter's name is a non-empty string without surrounding white"
+                                 f" space, got {name!r}")
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"lora_modules: the adapter name {twice!r} is given twice")
 
 
 def make_engine(model: Transformer, config: EngineConfig, *, eos_token_ids: tuple[int, ...] = (),
@@ -137,7 +156,9 @@ def engine_config(options: EngineOptions, model_config: ModelConfig, kv_dtype: t
                         enable_prefix_caching=options.enable_prefix_caching, max_waiting=options.max_waiting,
                         speculative=options.speculative, scheduling_policy=options.scheduling_policy,
                         batch_invariant=options.invariant_on(device), cuda_graphs=options.cuda_graphs,
-                        cpu_graphs=options.cpu_graphs)
+                        cpu_graphs=options.cpu_graphs, max_loras=options.max_loras,
+                        max_lora_rank=options.max_lora_rank,
+                        enable_lora=bool(options.lora_modules) or options.enable_lora_loading)
 
 
 def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
@@ -166,11 +187,26 @@ def load_engine(model_dir: Path, tokenizer: Tokenizer, options: EngineOptions) -
         if ranks is not None:
             ranks.close()
         raise
+    load_adapters(engine, options.lora_modules)
     parallel = f", tensor parallel {size} ({ranks.group.backend})" if ranks else ""
     logger.info("model %s on %s: weights %s, KV cache %s, %d KV blocks of %d tokens, context %d, prefix caching %s%s",
                 model_dir, device, weight_format(model), str(kv_dtype).removeprefix("torch."), config.num_blocks,
                 config.block_size, config.max_model_len, "on" if config.enable_prefix_caching else "off", parallel)
     return engine
+
+
+def load_adapters(engine: Engine, modules: tuple[tuple[str, str], ...]) -> None:
+    """Load the start-up LoRA adapters (name, path) through the engine; a refused one closes the engine (and a
+    tensor-parallel group's ranks) and raises AdapterError naming the adapter and the field."""
+    for name, path in modules:
+        try:
+            engine.load_adapter(name, path)
+        except BaseException as exc:
+            engine.close()
+            if isinstance(exc, AdapterError):
+                raise AdapterError(f"LoRA adapter {name!r} ({path}) refused: {exc} [field: {exc.field}]",
+                                   exc.field) from None
+            raise
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -40,6 +40,11 @@ class ServedModel:
     batch_invariant: Mapping[str, Any] | None = None
 
 
+def no_adapters(request: Any) -> Mapping[str, Mapping[str, Any]]:
+    """A server that serves no LoRA adapters."""
+    return {}
+
+
 @dataclass(frozen=True)
 class RouteContext:
     """What a route's handler is made from: the served model, its card, and the tokenizer and limits."""
@@ -47,6 +52,10 @@ class RouteContext:
     model: ServedModel
     card: Mapping[str, Any]  # the model's card: every plugin's pagoda_model_card fields, merged
     serving: ServeContext | None = None  # what the protocols' prepare gets (None where no model is loaded)
+    # adapters(request): the LoRA adapters the request's caller may name as its model, name -> the adapter's card
+    # (the model's fields with its own id, `parent` the served name and `root` its path). Asked per request: they
+    # are loaded and unloaded while the server runs, and a tenant may be limited to some of them.
+    adapters: Callable[[Any], Mapping[str, Mapping[str, Any]]] = no_adapters
 
 
 @dataclass(frozen=True)

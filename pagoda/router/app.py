@@ -46,7 +46,7 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
     metrics = RouterMetrics(fleet)
     tenants = TenantTable(settings.api_key, settings.api_keys_file)  # a bad keys file: KeysFileError, a ValueError
     proxy = Proxy(fleet, table, metrics, settings, tenants,
-                  prompt_reader(settings, plugins, tenants) if policy.reads_prompt else None)
+                  prompt_reader(settings, plugins, tenants, fleet) if policy.reads_prompt else None)
 
     @get("/health", cache=False)
     async def health() -> Response[dict[str, Any]]:
@@ -100,12 +100,15 @@ def create_router_app(settings: RouterSettings, plugins: pluggy.PluginManager | 
     return app
 
 
-def prompt_reader(settings: RouterSettings, plugins: pluggy.PluginManager, tenants: TenantTable) -> PromptReader:
-    """Reads prompts with the replicas' tokenizer and tool parser (the model directory's, no weights)."""
+def prompt_reader(settings: RouterSettings, plugins: pluggy.PluginManager, tenants: TenantTable,
+                  fleet: Fleet | None = None) -> PromptReader:
+    """Reads prompts with the replicas' tokenizer and tool parser (the model directory's, no weights), keying each
+    under the LoRA adapter its `model` names when `fleet`'s replicas serve one."""
     if settings.model_dir is None:
         raise ValueError("the prefix policy reads prompts with the replicas' tokenizer: give the model (--model)")
     parsers = collect_tool_parsers(plugins)
     if settings.tool_parser is not None and settings.tool_parser not in parsers:
         raise ValueError(f"tool_parser {settings.tool_parser!r} is not registered; registered: {', '.join(parsers)}")
     return PromptReader(Tokenizer.from_dir(settings.model_dir), tenants,
-                        parsers[settings.tool_parser] if settings.tool_parser else None)
+                        parsers[settings.tool_parser] if settings.tool_parser else None,
+                        fleet.adapter_names if fleet is not None else frozenset)

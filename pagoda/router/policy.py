@@ -17,7 +17,7 @@ The built-in policies are core's (`pagoda.core.routing`, the ones the simulator'
 that its predictions are about this code): `BuiltinPolicy` hands one the replicas' requests in
 flight as its loads and the available replicas as those it may choose. A policy whose
 `reads_prompt` is true (`prefix`) gets the prompt in `RequestInfo.prompt` (its rendered tokens,
-`cache_salt` and tenant, read by router/prompts.py as a replica reads them), and keys on the
+`cache_salt`, tenant and the LoRA adapter its `model` names, read by router/prompts.py as a replica reads them), and keys on the
 prompt's chained block hashes by the prefix cache's own function (pagoda/core/block_hash.py). The
 block size and each replica's index capacity (its pool's blocks) come from the replicas' /health.
 """

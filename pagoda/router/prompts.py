@@ -4,9 +4,13 @@ are shared under, read exactly as a replica reads them.
 Design note. The prefix cache keys on token blocks, not text, so the router renders a request as a replica
 does: the body is decoded strictly (pagoda.api.body) into the endpoint's own struct, and the endpoint's
 `prepare` (the same plugin code the replica runs) renders the chat template and tokenizes, with the model's
-tokenizer loaded here (no weights). The keys are the body's `cache_salt` and the prefix-cache key of the
+tokenizer loaded here (no weights). The keys are the body's `cache_salt`, the prefix-cache key of the
 tenant the proxy's guard matched the presented key to, in a table read from the same `--api-key` /
-`--api-keys-file` the replicas have (pagoda.api.tenants.TenantTable, as a replica matches it). A body the replica will refuse, a path that is
+`--api-keys-file` the replicas have (pagoda.api.tenants.TenantTable, as a replica matches it), and the LoRA
+adapter the body's `model` names: a replica runs a request on the adapter its `model` names, and keys the
+adapter's KV apart, so the router keys the prompt under that adapter when a replica's /health lists it
+(`lora_adapters`; router/replicas.py, `adapter_names`), and under the base model otherwise, as the replica
+does for its own name. A body the replica will refuse, a path that is
 not a generation endpoint, or any failure to render gives no prompt: the policy then balances by load alone,
 and the replica answers the request as it would have anyway. For a request with several prompts (a
 completions batch, `n` > 1) the first prompt decides.
@@ -21,6 +25,7 @@ state between calls (the tokenizer is safe to share between threads).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -42,10 +47,12 @@ class PromptReader:
     """Reads `RouteRequest`s from request bodies with one model's tokenizer and chat template."""
 
     def __init__(self, tokenizer: Tokenizer, tenants: TenantTable | None = None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None,
+                 adapters: Callable[[], Collection[str]] = frozenset) -> None:
         self.context = ServeContext(tokenizer=tokenizer, model_name="", max_model_len=UNBOUNDED,
                                     max_kv_tokens=UNBOUNDED, tool_parser=tool_parser)
         self.tenants = tenants if tenants is not None else TenantTable()  # no keys: one tenant, a shared cache
+        self.adapters = adapters  # the LoRA adapters the replicas serve now, by name (Fleet.adapter_names)
 
     def read(self, endpoint: Endpoint | None, body: bytes, scope: Scope) -> RouteRequest | None:
         """The request's first prompt and its cache keys; None when the router cannot tell them."""
@@ -54,10 +61,17 @@ class PromptReader:
         try:
             headers = dict(scope.get("headers") or [])
             content_type = headers.get(b"content-type", b"application/json").decode("latin-1")
-            prepared: Any = endpoint.prepare(decode_body(endpoint.body_type, body, content_type), self.context)
+            decoded = decode_body(endpoint.body_type, body, content_type)
+            prepared: Any = endpoint.prepare(decoded, self.context)
             first: EngineRequest = prepared if isinstance(prepared, EngineRequest) else prepared[0]
             tenant = self.tenants.of(ASGIConnection(scope))  # the one the proxy's guard matched (OPEN: no keys)
         except Exception as exc:  # the replica will answer it (most often its 4xx): routing by load is enough
             logger.debug("no prompt read for %s: %s: %s", endpoint.path, type(exc).__name__, exc)
             return None
-        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant.cache_key)
+        return RouteRequest(first.prompt_token_ids, first.cache_salt, tenant.cache_key,
+                            self.adapter_of(getattr(decoded, "model", None)))
+
+    def adapter_of(self, model: Any) -> str | None:
+        """The adapter a replica runs a request asking for `model` on: that name when the replicas serve an adapter
+        by it; None (the base model) for any other name, or none."""
+        return model if isinstance(model, str) and model in self.adapters() else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +28,19 @@ logger = logging.getLogger("pagoda.router")
 
 # the /health fields a router sums over its healthy replicas, besides every integer `*_total` counter
 SUMMED_FIELDS = ("running", "waiting", "kv_blocks_total", "kv_blocks_free")
+ADAPTERS_FIELD = "lora_adapters"  # a replica's /health: the LoRA adapters it serves (adapter_names reads it)
+
+
+def adapter_names(health: Mapping[str, Any]) -> frozenset[str]:
+    """The LoRA adapters a replica's /health says it serves: `lora_adapters` as a list of names, of objects with
+    a "name", or an object keyed by name; none when it says nothing (or says it in another shape)."""
+    said = health.get(ADAPTERS_FIELD)
+    if isinstance(said, Mapping):
+        said = list(said)
+    if not isinstance(said, list):
+        return frozenset()
+    names = (item.get("name") if isinstance(item, Mapping) else item for item in said)
+    return frozenset(n for n in names if isinstance(n, str) and n)
 
 
 @dataclass
@@ -99,6 +112,12 @@ class Fleet:
     @property
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
+
+    def adapter_names(self) -> frozenset[str]:
+        """The LoRA adapters any replica's latest /health lists (prefix keys a prompt under the one its `model`
+        names, router/prompts.py). Read from the prompt reader's worker thread: each poll replaces a replica's
+        `health` whole, so a read sees one poll's answer or the next."""
+        return frozenset().union(*(adapter_names(r.health) for r in self.replicas))
 
     @contextmanager
     def admit(self, request: RequestInfo, exclude: frozenset[int] = frozenset()) -> Iterator[Replica]:

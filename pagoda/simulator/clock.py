@@ -43,3 +43,9 @@ class TimedRunner:
     def execute(self, batch: SchedulerOutput):
         self.clock.advance_by(self.cost.step_seconds(batch))
         return self.runner.execute(batch)
+
+    def load_adapter(self, name: str, path: str, max_rank: int):
+        return self.runner.load_adapter(name, path, max_rank)
+
+    def unload_adapter(self, name: str) -> None:
+        self.runner.unload_adapter(name)

@@ -9,6 +9,10 @@ A plan's `protocol` is the name of a registered endpoint's protocol
 "ollama-chat"). The simulator does not speak protocols, so it only checks the
 name is a string; the live harness resolves it against the server's endpoints.
 
+A plan may name a LoRA adapter (`adapter`): its rows add that adapter's deltas
+(the simulator loads every adapter its crowd names). A plan that names none
+runs on the base model.
+
 A plan may follow another (`after`): the next turn of a chat or the next step
 of an agent. It arrives `arrival` seconds after that client has left, and its
 prompt is that client's prompt + the output it received + its own `prompt`, so
@@ -54,6 +58,7 @@ class ClientPlan:
     priority: int = 0  # the priority policy's order: lower runs first
     weight: float = 1.0  # its tenant's weight under the fair policy
     json_schema: str | None = None  # live runs: the answer must be JSON valid against this schema (its JSON text)
+    adapter: str | None = None  # the LoRA adapter its rows add (None: the base model); its KV is its own
 
     def __post_init__(self) -> None:
         if self.prompt is not None:
@@ -73,6 +78,8 @@ class ClientPlan:
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or not self.weight > 0:
             raise ValueError(f"weight must be a positive number, got {self.weight!r}")
+        if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
+            raise ValueError(f"adapter must be a LoRA adapter's name (a non-empty string) or null, got {self.adapter!r}")
         self.sampling_params()  # validate the sampling fields now
 
     def sampling_params(self) -> SamplingParams:
@@ -209,6 +216,23 @@ def noisy_neighbour_crowd(
                     after=f"{name}{s:03d}-t{t - 1:03d}" if t else None,
                 ))
     return plans
+
+
+def with_adapters(plans: list[ClientPlan], adapters: tuple[str, ...]) -> list[ClientPlan]:
+    """The crowd with its conversations spread over the base model and `adapters` in turn: the k-th plan that
+    follows no other asks for (None, *adapters)[k % (len(adapters) + 1)], and a follow-up for what the plan it
+    follows asked for (a chat goes on under its adapter)."""
+    choices: tuple[str | None, ...] = (None, *adapters)
+    chosen: dict[str, str | None] = {}
+    out, first_turns = [], 0
+    for plan in plans:
+        if plan.after is None:
+            adapter, first_turns = choices[first_turns % len(choices)], first_turns + 1
+        else:
+            adapter = chosen[plan.after]
+        chosen[plan.client_id] = adapter
+        out.append(replace(plan, adapter=adapter))
+    return out
 
 
 def crowd_to_json(plans: list[ClientPlan]) -> str:

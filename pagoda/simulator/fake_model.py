@@ -14,6 +14,17 @@ so greedy requests get n-gram drafts (core/speculative.py) in the padded rows:
 a draft's row reads the context through the draft itself, so a rejected
 draft's slot that is not rewritten before it is read changes the request.
 
+LoRA adapters. `load_adapter` loads one by name (the path is only recorded; its
+bytes are a number made of its name) and gives it a salt, a hash of its name. A
+row of a chunk whose request names an adapter adds its salt to the context key,
+so each adapter answers unlike the base and unlike every other (but for a clash
+of two names' hashes: about 1 in 65,000 at 256 table rows); each slot also keeps the salt it was written under,
+and a row that reads a slot another adapter wrote (KV computed under the wrong
+weights: a prefix shared across adapters) reads it into its key. A row computed
+with another adapter's deltas, or on another adapter's KV, so changes its
+request's tokens and fails the solo comparison. A chunk naming an adapter that
+is not loaded raises, as the real runner would have nothing to add.
+
 Its vocabulary may be as wide as a real model's (a crowd recorded from real
 traffic holds real token ids): the table keeps at most `TABLE_ROWS` rows, and a
 context is keyed into one of them (the last token and the checksum, modulo the
@@ -23,15 +34,19 @@ rows), so a 128k vocabulary costs 128k columns, not 128k squared. Up to
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 
 import torch
 
+from pagoda.core.adapters import AdapterError, AdapterInfo
 from pagoda.core.batch import SchedulerOutput
 from pagoda.core.batch import RunnerOutput
 
 EOS_TOKEN_ID = 0
 TABLE_ROWS = 256  # the most rows of the logit table, whatever the vocabulary
+ADAPTER_RANK = 8  # a fake adapter's rank (or the engine's max_lora_rank, when that is lower)
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class FakeModelRunner:
@@ -44,6 +59,73 @@ class FakeModelRunner:
         self.num_table_rows = min(vocab_size, TABLE_ROWS)
         self.table = _logit_table(vocab_size, seed, eos_bias)  # [context key, vocab], read only
         self.table_rows = _table_rows(vocab_size, seed, eos_bias)  # its rows [1, vocab]: a list index, no tensor op
+        # LoRA adapters: name -> (key salt, last-token salt), and each slot's salt as it was written (0: the base);
+        # kept only once an adapter is loaded, so a run without adapters pays nothing
+        self.adapters: dict[str, tuple[int, int]] = {}
+        self.infos: dict[str, AdapterInfo] = {}
+        self.tags: list[int] | None = None
+        # what the steps mixed: steps with an adapter's rows, steps with rows of two or more of (base, adapters...),
+        # and the most distinct adapters (the base not counted) one step ran
+        self.adapter_steps = 0
+        self.mixed_adapter_steps = 0
+        self.peak_step_adapters = 0
+
+    # -- LoRA adapters -----------------------------------------------------
+    def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
+        """Load a fake adapter: its salts are hashes of its name, so its answers are the same in every run."""
+        if name in self.adapters:
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
+        rows = self.num_table_rows
+        key_salt = 1 + zlib.crc32(name.encode()) % max(rows - 1, 1)  # never 0 mod rows: never the base's key
+        self.adapters[name] = (key_salt, zlib.crc32(f"{name}#last".encode()) % rows)
+        if self.tags is None:
+            self.tags = [0] * len(self.cache)
+        rank = min(ADAPTER_RANK, max_rank)
+        info = AdapterInfo(name, str(path), rank, (1 + zlib.crc32(name.encode()) % 7) * rank * 4096, ADAPTER_TARGETS)
+        self.infos[name] = info
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        del self.adapters[name]
+        del self.infos[name]
+
+    def chunk_adapters(self, batch: SchedulerOutput) -> list[str | None]:
+        """Each chunk's adapter, in the batch's order (the torch runner's StepPlan.adapters)."""
+        return [chunk.request.adapter for chunk in batch.chunks]
+
+    def _salts(self, batch: SchedulerOutput) -> dict[int, tuple[int, int]]:
+        """The salts of each chunk (by its id) from its adapter; counts what the step mixed."""
+        names = self.chunk_adapters(batch)
+        salts = {}
+        for chunk, name in zip(batch.chunks, names):
+            if name is not None and name not in self.adapters:
+                raise RuntimeError(f"request {chunk.request.request_id} names LoRA adapter {name!r}, "
+                                   "which is not loaded")
+            salts[id(chunk)] = (0, 0) if name is None else self.adapters[name]
+        distinct = set(names)
+        adapters = len(distinct - {None})
+        self.adapter_steps += adapters > 0
+        self.mixed_adapter_steps += len(distinct) > 1
+        self.peak_step_adapters = max(self.peak_step_adapters, adapters)
+        return salts
+
+    def _tag(self, block_table: tuple[int, ...], start: int, n: int, salt: int) -> None:
+        """Record the salt the slots of positions start..start+n were written under."""
+        bs, tags, pos, end = self.block_size, self.tags, start, start + n
+        assert tags is not None
+        while pos < end:
+            offset = pos % bs
+            m = min(bs - offset, end - pos)
+            base = block_table[pos // bs] * bs + offset
+            tags[base : base + m] = [salt] * m
+            pos += m
+
+    def _tag_sum(self, block_table: tuple[int, ...], end: int) -> int:
+        """The salts of positions [0, end), summed."""
+        bs, tags = self.block_size, self.tags
+        assert tags is not None
+        return sum(sum(tags[block_table[i] * bs : block_table[i] * bs + min(bs, end - i * bs)])
+                   for i in range(-(-end // bs)))
 
     def _write(self, block_table: tuple[int, ...], start: int, token_ids: list[int]) -> None:
         """Store tokens at positions start.. through the table, one block-sized slice at a time."""
@@ -66,17 +148,28 @@ class FakeModelRunner:
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """Write each chunk's tokens into its slots, then read each logits row's whole context back."""
+        salts = self._salts(batch) if self.tags is not None else None
         for chunk in batch.chunks:
-            self._write(chunk.block_table, chunk.start, chunk.token_ids)
-        last, key = [], []
+            token_ids = chunk.token_ids
+            self._write(chunk.block_table, chunk.start, token_ids)
+            if salts is not None:
+                self._tag(chunk.block_table, chunk.start, len(token_ids), salts[id(chunk)][0])
+        last, key, rows = [], [], self.num_table_rows
         for chunk in batch.logits_chunks:
             last_row = chunk.start + chunk.num_rows  # its logits rows are its last: prompt rows, last token, drafts
             for end in range(last_row - chunk.num_logits_rows + 1, last_row + 1):
                 context = self._read(chunk.block_table, end)
                 if min(context) < 0:
                     raise RuntimeError(f"request {chunk.request.request_id} read a KV slot that was never written")
-                last.append(context[-1] % self.num_table_rows)
-                key.append((sum(context) * 31 + end) % self.num_table_rows)
+                if salts is None:
+                    last.append(context[-1] % rows)
+                    key.append((sum(context) * 31 + end) % rows)
+                    continue
+                key_salt, last_salt = salts[id(chunk)]
+                # 0 when every slot read was written under this row's adapter; else never 0 mod rows
+                drift = self._tag_sum(chunk.block_table, end) - key_salt * end
+                last.append((context[-1] + last_salt) % rows)
+                key.append((sum(context) * 31 + end + key_salt + (drift and 1 + drift % max(rows - 1, 1))) % rows)
         if not last:
             return RunnerOutput(logits=torch.empty(0, self.vocab_size))
         # logits [rows, vocab] = table[last] + table[key]; the cheapest gather for each batch shape

@@ -16,7 +16,9 @@ before its own. With a router (core/routing.py's policies, the ones the live rou
 to the replica it chooses at that instant, from each replica's requests sent and not yet answered
 (`_Replica.load`); without one there is one replica.
 
-Every replica is audited after each of its steps. After the crowd has left, every client that completed is run
+Every replica loads the LoRA adapters its crowd names (`ClientPlan.adapter`, through `Engine.load_adapter`) before
+the crowd arrives; the fake model answers each adapter unlike the base and the others, so a row computed with the
+wrong adapter fails the solo comparison. Every replica is audited after each of its steps. After the crowd has left, every client that completed is run
 again alone (on the prompt it was sent) on a fresh engine, and its tokens must be identical.
 """
 
@@ -91,6 +93,9 @@ class SimulationReport:
     prefix_hit_tokens: int  # of which were found there and not computed
     draft_tokens: int  # n-gram drafts the greedy clients were given in padded rows (core/speculative.py)
     accepted_tokens: int  # of which kept
+    adapter_steps: int  # steps that ran a LoRA adapter's rows
+    mixed_adapter_steps: int  # steps whose rows were of two or more of: the base, each adapter
+    peak_step_adapters: int  # the most distinct adapters (the base not counted) in one step: at most max_loras
     steps: int
     solo_steps: int  # the solo reruns' steps, all together
     simulated_seconds: float
@@ -211,13 +216,15 @@ class TenantActivity:
 class _Replica:
     """One engine on the fake model with its own step timing, and the commands waiting for its step to end."""
 
-    def __init__(self, index: int, config: SimulationConfig) -> None:
+    def __init__(self, index: int, config: SimulationConfig, adapters: Iterable[str] = ()) -> None:
         self.index = index
         self.clock = VirtualClock()  # the replica's time: its step's end while one is under way
         ec = config.engine
-        runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
-        self.engine = Engine(TimedRunner(runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,),
+        self.runner = FakeModelRunner(ec.num_blocks, ec.block_size, config.vocab_size, seed=config.model_seed)
+        self.engine = Engine(TimedRunner(self.runner, self.clock, config.cost), ec, eos_token_ids=(EOS_TOKEN_ID,),
                              clock=lambda: self.clock.now)
+        for name in adapters:  # every replica serves every adapter the crowd names
+            self.engine.load_adapter(name, f"simulated/{name}")
         self.stepping = False  # a step has started and its outputs are not delivered yet
         self.step_at: float | None = None  # when its next step starts, while one is in the event queue
         self.held = False  # its next step was held for the scheduling policy's anticipation (once a step)
@@ -247,7 +254,9 @@ class CrowdRun:
         self.config = config
         self.plans = {p.client_id: p for p in plans}
         self.router = router
-        self.replicas = [_Replica(i, config) for i in range(router.num_replicas if router is not None else 1)]
+        adapters = sorted({p.adapter for p in plans if p.adapter is not None})
+        self.replicas = [_Replica(i, config, adapters)
+                         for i in range(router.num_replicas if router is not None else 1)]
         self.results = {p.client_id: ClientResult(p.client_id, tenant=p.tenant) for p in plans}
         self.activity = TenantActivity()
         self.prompts: dict[str, list[int]] = {}  # the prompt each client that arrived was sent
@@ -321,7 +330,7 @@ class CrowdRun:
         replica = 0
         if self.router is not None:
             loads = tuple(r.load for r in self.replicas)
-            decision = self.router.route(RouteRequest(prompt, plan.cache_salt, plan.tenant), loads)
+            decision = self.router.route(RouteRequest(prompt, plan.cache_salt, plan.tenant, plan.adapter), loads)
             self.decisions.append(RouteRecord(client_id, decision.replica, decision.reason, loads))
             replica = decision.replica
         self.replica_of[client_id] = replica
@@ -343,7 +352,7 @@ class CrowdRun:
             try:
                 replica.engine.add_request(client_id, self.prompts[client_id], plan.sampling_params(),
                                            arrival_time=self.now, cache_salt=plan.cache_salt, tenant=plan.tenant,
-                                           priority=plan.priority, weight=plan.weight)
+                                           priority=plan.priority, weight=plan.weight, adapter=plan.adapter)
             except AdmissionError as exc:
                 result.status, result.error = "refused", str(exc)
                 self._left(client_id)
@@ -452,6 +461,9 @@ class CrowdRun:
             "prefix_hit_tokens": total["prefix_cache_hit_tokens_total"],
             "draft_tokens": total["spec_decode_draft_tokens_total"],
             "accepted_tokens": total["spec_decode_accepted_tokens_total"],
+            "adapter_steps": sum(r.runner.adapter_steps for r in self.replicas),
+            "mixed_adapter_steps": sum(r.runner.mixed_adapter_steps for r in self.replicas),
+            "peak_step_adapters": max(r.runner.peak_step_adapters for r in self.replicas),
             "steps": self.steps,
             "solo_steps": self.solo_steps,
             "simulated_seconds": round(self.now, 6),

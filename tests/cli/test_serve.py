@@ -144,6 +144,14 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--router-policy": (["--router-policy", "least_load"], lambda b: b.data_parallel.router_policy == "least_load"),
     "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
                          lambda b: b.settings.disabled_plugins == ("tokenize", "chat_page")),
+    # `load_engine` loads each (name, path) through Engine.load_adapter once the engine is built
+    "--lora-modules": (["--lora-modules", "a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'],
+                       lambda b: b.options.lora_modules == (("a", "/adapters/a"), ("b", "/adapters/b"))
+                       and b.config.enable_lora),
+    "--max-loras": (["--max-loras", "3"], lambda b: b.config.max_loras == 3),
+    "--max-lora-rank": (["--max-lora-rank", "64"], lambda b: b.config.max_lora_rank == 64),
+    "--enable-lora-loading": (["--enable-lora-loading"],
+                              lambda b: b.settings.enable_lora_loading is True and b.config.enable_lora),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.routing import POLICIES, RouteRequest, make_router_policy
 from pagoda.router.policy import BuiltinPolicy, ReplicaState, RequestInfo
-from pagoda.simulator.crowd import shared_prefix_crowd
+from pagoda.simulator.crowd import shared_prefix_crowd, with_adapters
 from pagoda.simulator.fleet import FleetConfig, simulate_fleet
 from pagoda.simulator.simulate import SimulationConfig
 
@@ -106,7 +106,7 @@ def test_the_router_and_the_simulators_policy_choose_alike_on_the_same_loads(nam
         if not eligible:
             continue
         prompt = RouteRequest(rng.choice(heads) + [rng.randrange(1, 100) for _ in range(rng.randrange(6))],
-                              tenant=rng.choice([None, "t"]))
+                              tenant=rng.choice([None, "t"]), adapter=rng.choice([None, "x", "y"]))
         chosen = router.choose(replicas, RequestInfo("POST", "/v1/chat/completions", "chat", b"{}", prompt))
         assert chosen == simulated.route(prompt, loads, eligible).replica
         asked += 1
@@ -117,7 +117,8 @@ def test_the_router_and_the_simulators_policy_choose_alike_on_the_same_loads(nam
 def test_the_router_makes_every_decision_the_simulated_fleet_made(name):
     """Each decision of a simulated fleet, replayed through the router's policy with the prompt and the loads the
     fleet saw and the replicas' /health: the replica the fleet chose, for the reason it chose it."""
-    crowd = shared_prefix_crowd(2, clients=60, arrival_gap=0.004, tenants=2)  # whole prompts, loads that vary
+    # whole prompts, loads that vary, the base model and two LoRA adapters
+    crowd = with_adapters(shared_prefix_crowd(2, clients=60, arrival_gap=0.004, tenants=2), ("x", "y"))
     engine = EngineConfig(num_blocks=64, block_size=16, max_running=4, max_batched_tokens=128, max_model_len=256)
     fleet = FleetConfig(replicas=3, router=name, seed=5, balance_abs_threshold=2)
     report = simulate_fleet(crowd, fleet, SimulationConfig(engine=engine), check_solo=False)
@@ -129,6 +130,6 @@ def test_the_router_makes_every_decision_the_simulated_fleet_made(name):
     for d in report.decisions:
         plan = plans[d.client_id]
         replicas = [ReplicaState(i, f"http://r{i}", True, n, 10**6, health) for i, n in enumerate(d.loads)]
-        prompt = RouteRequest(plan.prompt, plan.cache_salt, plan.tenant)
+        prompt = RouteRequest(plan.prompt, plan.cache_salt, plan.tenant, plan.adapter)
         assert router.choose(replicas, RequestInfo("POST", "/v1/chat/completions", "chat", b"{}", prompt)) == d.replica
     assert router.reasons == report.routes

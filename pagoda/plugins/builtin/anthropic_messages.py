@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
+from litestar import Request
 from litestar.params import JSONBody
 
 from pagoda.core.outputs import AnswerDelta
@@ -302,7 +303,7 @@ def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
         raise RuntimeError("count_tokens needs a served model's tokenizer")
     serving, endpoint = ctx.serving, Messages()
 
-    async def count_tokens(data: JSONBody[dict[str, Any]]) -> dict[str, int]:
+    async def count_tokens(data: JSONBody[dict[str, Any]], request: Request) -> dict[str, int]:
         """Anthropic's token count of a messages request: {"input_tokens": N}."""
         try:  # the messages body, less max_tokens (and stream), which a count does not need
             body = msgspec.convert({**data, "max_tokens": 1, "stream": False}, MessagesRequest)
@@ -310,8 +311,11 @@ def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
             where = str(exc).rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in str(exc) else None
             raise RequestError(f"{where + ': ' if where else ''}{str(exc).partition(' - at ')[0]}", where) from None
         if body.model != ctx.model.name and body.model not in ctx.model.aliases:
-            raise RequestError(f"model {body.model!r} does not exist; this server serves {ctx.model.name!r}",
-                               "model", status=404, code="model_not_found")
+            adapters = ctx.adapters(request)  # a LoRA adapter the caller may name counts as its base does
+            if body.model not in adapters:
+                served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
+                raise RequestError(f"model {body.model!r} does not exist; this server serves {served}",
+                                   "model", status=404, code="model_not_found")
         return {"input_tokens": len(endpoint.prepare(body, serving).prompt_token_ids)}
 
     return count_tokens

@@ -1,5 +1,9 @@
 """GET /v1/models and GET /v1/models/{model_id}: the served model's card, for the openai and anthropic SDKs.
 
+Each LoRA adapter the caller may name (`RouteContext.adapters`) is listed after the model as a model of its
+own, in vLLM's shape: its card is the model's fields under its own id, with `parent` the served model's name
+and `root` the adapter's directory.
+
 The card is not written here: each protocol family adds its own fields through
 the `pagoda_model_card` hook (OpenAI's id/object/created/owned_by from each
 OpenAI endpoint, Anthropic's id/type/display_name/created_at from
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from litestar import Request
 from litestar.params import FromPath
 
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
@@ -24,12 +29,14 @@ from pagoda.plugins.route import Route, RouteContext, ServedModel
 
 
 def make_list(ctx: RouteContext) -> Callable[..., Any]:
-    """The handler of GET /v1/models: one page holding the served model's card."""
+    """The handler of GET /v1/models: one page holding the served model's card, then its adapters'."""
     name = ctx.model.name
 
-    async def list_models() -> dict[str, Any]:
-        """The models this server serves: one."""
-        return {"object": "list", "data": [dict(ctx.card)], "has_more": False, "first_id": name, "last_id": name}
+    async def list_models(request: Request) -> dict[str, Any]:
+        """The models this server serves: the model, then each LoRA adapter the caller may name."""
+        adapters = ctx.adapters(request)
+        return {"object": "list", "data": [dict(ctx.card), *map(dict, adapters.values())], "has_more": False,
+                "first_id": name, "last_id": list(adapters)[-1] if adapters else name}
 
     return list_models
 
@@ -37,12 +44,16 @@ def make_list(ctx: RouteContext) -> Callable[..., Any]:
 def make_retrieve(ctx: RouteContext) -> Callable[..., Any]:
     """The handler of GET /v1/models/{model_id}: the card, or a 404 naming the served model."""
 
-    async def retrieve_model(model_id: FromPath[str]) -> dict[str, Any]:
-        """The served model's card; any other id is not found."""
-        if model_id != ctx.model.name and model_id not in ctx.model.aliases:
-            raise RequestError(f"model {model_id!r} does not exist; this server serves {ctx.model.name!r}",
-                               "model", status=404, code="model_not_found")
-        return {**ctx.card, "id": model_id}  # an alias is reported as the name asked for
+    async def retrieve_model(model_id: FromPath[str], request: Request) -> dict[str, Any]:
+        """The served model's card, or a LoRA adapter's; any other id is not found."""
+        if model_id == ctx.model.name or model_id in ctx.model.aliases:
+            return {**ctx.card, "id": model_id}  # an alias is reported as the name asked for
+        adapters = ctx.adapters(request)
+        if model_id in adapters:
+            return dict(adapters[model_id])
+        served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
+        raise RequestError(f"model {model_id!r} does not exist; this server serves {served}",
+                           "model", status=404, code="model_not_found")
 
     return retrieve_model
 

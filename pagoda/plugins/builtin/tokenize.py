@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from litestar import Request
 from litestar.params import JSONBody
 
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
@@ -47,9 +48,15 @@ def _serving(ctx: RouteContext) -> ServeContext:
     return ctx.serving
 
 
-def _check_model(model: str | None, ctx: RouteContext) -> None:
-    if model is not None and model != ctx.model.name:
-        raise RequestError(f"model {model!r} does not exist; this server serves {ctx.model.name!r}",
+def _check_model(model: str | None, ctx: RouteContext, request: Request) -> None:
+    """404 for a model that is neither the served one (or an alias) nor a LoRA adapter the caller may name (an
+    adapter tokenizes as its base does)."""
+    if model is None or model == ctx.model.name or model in ctx.model.aliases:
+        return
+    adapters = ctx.adapters(request)
+    if model not in adapters:
+        served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
+        raise RequestError(f"model {model!r} does not exist; this server serves {served}",
                            "model", status=404, code="model_not_found")
 
 
@@ -57,9 +64,9 @@ def make_tokenize(ctx: RouteContext) -> Callable[..., Any]:
     """The handler of POST /tokenize."""
     serving = _serving(ctx)
 
-    async def tokenize(data: JSONBody[TokenizeRequest]) -> dict[str, Any]:
+    async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[str, Any]:
         """The token ids of a prompt, or of a conversation rendered with the chat template."""
-        _check_model(data.model, ctx)
+        _check_model(data.model, ctx, request)
         if (data.prompt is None) == (data.messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
         if data.prompt is not None:
@@ -79,9 +86,9 @@ def make_detokenize(ctx: RouteContext) -> Callable[..., Any]:
     """The handler of POST /detokenize."""
     serving = _serving(ctx)
 
-    async def detokenize(data: JSONBody[DetokenizeRequest]) -> dict[str, Any]:
+    async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dict[str, Any]:
         """The text of token ids."""
-        _check_model(data.model, ctx)
+        _check_model(data.model, ctx, request)
         vocab = serving.tokenizer.vocab_size
         bad = next((i for i, t in enumerate(data.tokens) if not 0 <= t < vocab), None)
         if bad is not None:

@@ -1,0 +1,134 @@
+"""LoRA adapters served as models: their cards, and the routes that load and unload them while serving.
+
+An adapter loaded at start-up (`pagoda serve --lora-modules NAME=PATH`) or later through the routes below is a
+model of its own: a request whose `model` names it runs with it (pagoda.api.generation.served_model, which also
+keeps a tenant limited to some adapters from the others), and /v1/models lists it with `parent` the served
+model's name and `root` its directory, as vLLM does (`adapter_cards`, handed to the route plugins in their
+RouteContext).
+
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}       200 "Success: LoRA adapter 'x' added successfully."
+                                                                   400 naming the field of a refused adapter (its
+                                                                   adapter_config.json field, tensor, lora_name or
+                                                                   lora_path), or a name already served
+    POST /v1/unload_lora_adapter  {"lora_name", "lora_int_id"?}    200 once the adapter's last request has ended;
+                                                                   404 for a name that is not loaded
+
+vLLM's routes and bodies (its `lora_int_id` is read and not needed: names are the ids here). They exist only
+with `--enable-lora-loading`, need a key when the server has keys, and answer in OpenAI's error shape. A tenant
+limited to some adapters may load and unload only those.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+import msgspec
+from litestar import MediaType, Request, Response, post
+from litestar.handlers import HTTPRouteHandler
+from litestar.params import JSONBody
+from litestar.types import Guard
+
+from pagoda.api.body import STATE_KEY, strict_body_of
+from pagoda.api.generation import Services, visible_adapters
+from pagoda.api.http_errors import ERRORS_OPT
+from pagoda.core.adapters import UnknownAdapter
+from pagoda.plugins.error_shapes import OPENAI_ERRORS
+from pagoda.plugins.request_fields import RequestError
+
+logger = logging.getLogger("pagoda.api")
+
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    lora_name: AdapterName  # the model name requests will name it by
+    lora_path: Annotated[str, msgspec.Meta(min_length=1)]  # a PEFT adapter directory on the server's disk
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's body of POST /v1/unload_lora_adapter."""
+
+    lora_name: AdapterName
+    lora_int_id: int | None = None  # vLLM's numeric id; pagoda knows adapters by name only
+
+
+def check_adapter_name(name: str, model_names: tuple[str, ...]) -> None:
+    """Refuse (400 naming lora_name) an adapter name a request could not reach: the served model's or an alias."""
+    if name in model_names:
+        raise RequestError(f"lora_name {name!r} is the served model's name; an adapter needs a name of its own",
+                           "lora_name")
+    if name != name.strip():
+        raise RequestError(f"lora_name {name!r} begins or ends with white space", "lora_name")
+
+
+def adapter_cards(services: Services,
+                  card_of: Callable[[str], Mapping[str, Any]]) -> Callable[[Any], dict[str, dict[str, Any]]]:
+    """`RouteContext.adapters`: the cards of the adapters a request's tenant may name, by name.
+
+    `card_of(name)` is the served model's card made for another name (every plugin's fields); an adapter's card
+    adds vLLM's `parent` (the served name) and `root` (the adapter's directory). Each card is made once per
+    loaded adapter (its `created` is when it was first listed)."""
+    made: dict[tuple[str, str], dict[str, Any]] = {}
+    parent = services.context.model_name
+
+    def cards(request: Any) -> dict[str, dict[str, Any]]:
+        loaded = services.engine.adapters
+        for key in [k for k in made if k[0] not in loaded]:  # unloaded: a reload is a new card
+            del made[key]
+        out = {}
+        for name, info in visible_adapters(services, services.tenants.of(request)).items():
+            key = (name, info.path)
+            if key not in made:
+                made[key] = {**card_of(name), "id": name, "parent": parent, "root": info.path}
+            out[name] = made[key]
+        return out
+
+    return cards
+
+
+def adapter_routes(services: Services, guards: list[Guard]) -> list[HTTPRouteHandler]:
+    """POST /v1/load_lora_adapter and POST /v1/unload_lora_adapter (only with --enable-lora-loading)."""
+
+    async def load_lora_adapter(request: Request, data: Any) -> Response[str]:
+        """Load a PEFT LoRA adapter directory and serve it as the model `lora_name` (vLLM's route)."""
+        body: LoadLoraAdapterRequest = getattr(request.state, STATE_KEY, data)
+        name = body.lora_name
+        check_adapter_name(name, (services.context.model_name, *services.model_names))
+        if not services.tenants.of(request).may_use(name):
+            raise RequestError(f"this key may not use the LoRA adapter {name!r}", "lora_name", status=403,
+                               code="permission_denied")
+        info = await services.engine.load_adapter(name, body.lora_path)  # AdapterError: 400 naming its field
+        logger.warning("LoRA adapter %r loaded from %s (%s): rank %d, %d bytes", name, info.path, LOAD_PATH,
+                       info.rank, info.nbytes)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type=MediaType.TEXT)
+
+    async def unload_lora_adapter(request: Request, data: Any) -> Response[str]:
+        """Stop serving the adapter `lora_name`: new requests for it get 404 at once, and the answer comes once its
+        requests in flight have ended (vLLM's route)."""
+        body: UnloadLoraAdapterRequest = getattr(request.state, STATE_KEY, data)
+        name = body.lora_name
+        try:
+            if not services.tenants.of(request).may_use(name):  # not one of its adapters: it does not exist for it
+                raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded")
+            await services.engine.unload_adapter(name)
+        except UnknownAdapter as exc:
+            raise RequestError(str(exc).split(" (loaded:")[0], "lora_name", status=404,
+                               code="model_not_found") from None
+        logger.warning("LoRA adapter %r unloaded (%s)", name, UNLOAD_PATH)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type=MediaType.TEXT)
+
+    routes = []
+    for path, handler, body_type in ((LOAD_PATH, load_lora_adapter, LoadLoraAdapterRequest),
+                                     (UNLOAD_PATH, unload_lora_adapter, UnloadLoraAdapterRequest)):
+        # the schema reads the body type from the annotation; the body is decoded strictly by before_request
+        handler.__annotations__ = {"request": Request, "data": JSONBody[body_type], "return": Response[str]}
+        # (the route's media type stays JSON, its errors'; the success answer says text/plain itself)
+        routes.append(post(path, status_code=200, guards=guards, opt={ERRORS_OPT: OPENAI_ERRORS},
+                           before_request=strict_body_of(body_type, OPENAI_ERRORS))(handler))
+    return routes
