@@ -47,7 +47,8 @@ enum Op : int64_t {
   QUANT_ROWS = 10,  // x, ldx, K, M, xq, xd, xsum (cpu_quant.h)
   BLOCK_PRODUCT = 11,  // format, qs, d, m, N, K, xq, xd, xsum, M, out, ldo
   SHIFT = 12,  // x, n, out; addend: out = x + addend
-  LORA = 13,  // out, ldo, x, ldx, rows, K, N, table, linear, num_linears, row_slot (cpu_lora.cpp)
+  LORA_DOWN = 13,  // x, ldx, K, table, linear, linears, row_slot, rows, xa, ldxa (cpu_lora.cpp)
+  LORA_UP = 14,  // out, ldo, table, linear, linears, row_slot, rows, xa, ldxa
 };
 
 template <typename T>
@@ -183,10 +184,17 @@ void run_node(const int64_t* c, const double* p, int t, int n) {
                                       b * width, std::min(c[5], e * width));
       break;
     }
-    case LORA:
-      share(c[5], t, n, b, e);
-      pagoda_step::lora_rows(ptr<float>(c[1]), c[2], ptr<const float>(c[3]), c[4], c[6], c[7], ptr<const int64_t>(c[8]),
-                             c[9], c[10], ptr<const int64_t>(c[11]), b, e);
+    case LORA_DOWN:  // every thread counts the units of this step's rows (a few per row), then takes its share
+      share(pagoda_step::lora_units(ptr<const int64_t>(c[4]), c[5], c[6], ptr<const int64_t>(c[7]), c[8], false), t, n,
+            b, e);
+      pagoda_step::lora_down(ptr<const float>(c[1]), c[2], c[3], ptr<const int64_t>(c[4]), c[5], c[6],
+                             ptr<const int64_t>(c[7]), c[8], ptr<float>(c[9]), c[10], b, e);
+      break;
+    case LORA_UP:
+      share(pagoda_step::lora_units(ptr<const int64_t>(c[3]), c[4], c[5], ptr<const int64_t>(c[6]), c[7], true), t, n,
+            b, e);
+      pagoda_step::lora_up(ptr<float>(c[1]), c[2], ptr<const int64_t>(c[3]), c[4], c[5], ptr<const int64_t>(c[6]),
+                           c[7], ptr<const float>(c[8]), c[9], b, e);
       break;
     default:
       break;  // validated before the region
@@ -203,7 +211,7 @@ void graph_run(const at::Tensor& code, const at::Tensor& params, int64_t threads
   const int64_t* c = code.data_ptr<int64_t>();
   const double* p = params.data_ptr<double>();
   for (int64_t i = 0; i < nodes; ++i)
-    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= LORA, "node ", i, ": unknown op ", c[i * kSlots]);
+    TORCH_CHECK(c[i * kSlots] >= GATHER && c[i * kSlots] <= LORA_UP, "node ", i, ": unknown op ", c[i * kSlots]);
   PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   SpinBarrier barrier;
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, threads)))

@@ -152,10 +152,11 @@ def act_mul(gate_up: Tensor, activation: str) -> Tensor:
     return torch.ops.pagoda_cpu.act_mul(gate_up, ACTIVATIONS[activation])
 
 
-def lora_apply(out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor) -> None:
+def lora_apply(out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor, xa: Tensor) -> None:
     """out [T, N] += each row's LoRA delta, in place: row t adds the adapter in slot row_slot[t] (-1: none), whose
-    entry for projection `linear` in table [slots, linears, 3] int64 is (A's address, B^T's, rank) (cpu_lora.cpp)."""
-    torch.ops.pagoda_cpu.lora_apply(out, x.contiguous(), table, linear, row_slot)
+    segments for projection `linear` table [slots, projections, 3] int64 names; xa [T, W] is scratch, W at least a
+    row's total rank (cpu_lora.cpp)."""
+    torch.ops.pagoda_cpu.lora_apply(out, x.contiguous(), table, linear, row_slot, xa)
 
 
 def graph_run(code: Tensor, params: Tensor, threads: int) -> None:

@@ -53,9 +53,14 @@ struct AttentionTile {
 std::vector<AttentionTile> attention_tiles(const AttentionArgs& a);
 void attend_tiles(const AttentionArgs& a, const std::vector<AttentionTile>& tiles, int64_t i0, int64_t i1);
 
-// LoRA deltas of rows [r0, r1) (cpu_lora.cpp): out[t] += (x[t] A^T) Bt for the adapter in slot row_slot[t] (-1:
-// none), whose entry for projection `linear` in table [slots, num_linears, 3] is (A, Bt, rank).
-void lora_rows(float* out, int64_t ldo, const float* x, int64_t ldx, int64_t k, int64_t n, const int64_t* table,
-               int64_t linear, int64_t num_linears, const int64_t* row_slot, int64_t r0, int64_t r1);
+// LoRA deltas (cpu_lora.cpp), in two phases over units of work: `lora_units` counts a phase's units over the
+// rows; lora_down writes each row's xa (its rank rows' dot products with x), lora_up adds xa's product with B^T to
+// out. table [slots, linears, 3]: per slot and projection (segments, count, total rank); row_slot [rows], -1: none.
+int64_t lora_units(const int64_t* table, int64_t linear, int64_t linears, const int64_t* row_slot, int64_t rows,
+                   bool up);
+void lora_down(const float* x, int64_t ldx, int64_t k, const int64_t* table, int64_t linear, int64_t linears,
+               const int64_t* row_slot, int64_t rows, float* xa, int64_t ldxa, int64_t u0, int64_t u1);
+void lora_up(float* out, int64_t ldo, const int64_t* table, int64_t linear, int64_t linears, const int64_t* row_slot,
+             int64_t rows, const float* xa, int64_t ldxa, int64_t u0, int64_t u1);
 
 }  // namespace pagoda_step

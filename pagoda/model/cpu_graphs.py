@@ -47,7 +47,7 @@ logger = logging.getLogger("pagoda.model")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SLOTS, PARAMS = 20, 4  # a node's int64 slots and float64 parameters (cpu_graph.cpp)
 (GATHER, RMS_NORM, ROPE, WRITE_KV, ATTENTION, INT8_LINEAR, ACT_MUL, ADD, COPY, SCALE, QUANT_ROWS, BLOCK_PRODUCT,
- SHIFT, LORA) = range(14)
+ SHIFT, LORA_DOWN, LORA_UP) = range(15)
 
 _ops = torch.ops.aten
 PRODUCTS = {"blocks", "int8_avx2"}  # the matmul kernels a step graph replays (pagoda's own)
@@ -170,11 +170,14 @@ class StepRecorder(TorchDispatchMode):
         self._node(BLOCK_PRODUCT, [fmt, _ptr(qs), _ptr(d), m_ptr, n, k, _ptr(xq), _ptr(xd), _ptr(xsum), rows,
                                    _ptr(out), out.stride(0)], keep=[qs, d, m, out])
 
-    def lora(self, out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor) -> None:
+    def lora(self, out: Tensor, x: Tensor, table: Tensor, linear: int, row_slot: Tensor, xa: Tensor) -> None:
         rows, ldo = _rows(out)
         _, ldx = _rows(x)
-        self._node(LORA, [_ptr(out), ldo, _ptr(x), ldx, rows, x.shape[1], out.shape[1], _ptr(table), linear,
-                          table.shape[1], _ptr(row_slot)], keep=[out, x, table, row_slot])
+        _, ldxa = _rows(xa)
+        self._node(LORA_DOWN, [_ptr(x), ldx, x.shape[1], _ptr(table), linear, table.shape[1], _ptr(row_slot), rows,
+                               _ptr(xa), ldxa], keep=[x, table, row_slot, xa])
+        self._node(LORA_UP, [_ptr(out), ldo, _ptr(table), linear, table.shape[1], _ptr(row_slot), rows, _ptr(xa), ldxa],
+                   keep=[out])
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
         rows, ldx = _rows(x)
@@ -225,7 +228,7 @@ def _handlers() -> dict[Any, Any]:
         cpu.paged_attention.default: lambda s, a, k, o: r.attention(s, *a[:6], *_attention_options(a, k), o),
         cpu.int8_linear.default: lambda s, a, k, o: r.linear_int8(s, a[0], a[1], a[2], o),
         cpu.block_linear.default: lambda s, a, k, o: r.linear_blocks(s, *a[:6], o),
-        cpu.lora_apply.default: lambda s, a, k, o: r.lora(s, *a[:5]),
+        cpu.lora_apply.default: lambda s, a, k, o: r.lora(s, *a[:6]),
     }
 
 
@@ -278,6 +281,7 @@ class CpuStepGraphs(cuda_graphs.DecodeGraphs):
         # none) and the step's adapters from the runner's table (pagoda/model/lora.py)
         self.lora = runner.lora_table if runner.enable_lora else None
         self.row_slot = torch.full((self.buckets[-1],), -1, dtype=torch.int64)
+        self.xa = torch.zeros(self.buckets[-1], self.lora.width if self.lora is not None else 0)  # the LoRA scratch
 
     def fill(self, bucket: int, seq_lens: Sequence[int], token_ids: Sequence[int],
              block_tables: Sequence[Sequence[int]]) -> None:
@@ -293,7 +297,8 @@ class CpuStepGraphs(cuda_graphs.DecodeGraphs):
                                  query_start_loc_cpu=list(range(bucket + 1)))
         ctx = StepContext(meta=meta, kv_caches=runner.kv_caches, backend=runner.backend, num_tokens=bucket)
         if self.lora is not None:
-            ctx.threads = lora.AdaptedLinears(ctx.threads, lora.LoraStep([], self.row_slot[:bucket], self.lora))
+            ctx.threads = lora.AdaptedLinears(ctx.threads, lora.LoraStep([], self.row_slot[:bucket], self.lora,
+                                                                         self.xa[:bucket]))
         hidden = runner.model(ids, positions, ctx)  # [bucket, H]
         return runner.model.compute_logits(hidden)  # [bucket, V] float32
 

@@ -114,37 +114,78 @@ def adapter_kernel(model: Transformer) -> MatmulKernel:
 
 
 @dataclass
-class ModuleDelta:
-    """One adapted projection's stacked A [R, in] and scaled, block-diagonal B, transposed: Bt [R, out].
+class SegmentDelta:
+    """One adapted projection for pagoda's C++ kernel: a segment per part of the stacked projection it adapts (q of
+    qkv, gate of gate_up), each A [r, in] and its scaled B transposed, Bt [r, cols], at its first output column.
+    `desc` [segments, 5] int64 gives the kernel their addresses (cpu_lora.cpp); the tensors live as long as it."""
 
-    On a CPU with pagoda's C++ kernels every row's delta is one call per projection (`cpu_native.lora_add`);
-    elsewhere each adapter's rows are two products on the float kernel (`a_packed`, `b_packed` over A and B)."""
+    segments: list[tuple[Tensor, Tensor, int]]
+    desc: Tensor
+
+    @classmethod
+    def of(cls, parts: list[tuple[Tensor, Tensor, int]]) -> SegmentDelta:
+        segments = [(a.contiguous(), b.T.contiguous(), offset) for a, b, offset in parts]
+        desc = torch.tensor([[a.data_ptr(), bt.data_ptr(), a.shape[0], offset, bt.shape[1]]
+                             for a, bt, offset in segments], dtype=torch.int64)
+        return cls(segments, desc)
+
+    @property
+    def rank(self) -> int:
+        """The rows of its xa: every segment's rank."""
+        return sum(a.shape[0] for a, _, _ in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + bt.numel() * bt.element_size() for a, bt, _ in self.segments)
+
+    def packs(self) -> list[tuple[PackedWeight, Tensor]]:
+        return []
+
+
+@dataclass
+class ProductDelta:
+    """One adapted projection as two products on the model's float kernel (where the C++ kernel does not run): its
+    parts' A's stacked [R, in] and their scaled B's block-diagonal [out, R], each in its part's output rows."""
 
     a: Tensor
-    bt: Tensor
-    products: tuple[PackedWeight, PackedWeight, Tensor] | None = None  # (A's, B's, B [out, R]); None: the C++ kernel
-    row_multiple: int = 1
+    b: Tensor
+    a_packed: PackedWeight
+    b_packed: PackedWeight
+    row_multiple: int
+
+    @classmethod
+    def of(cls, linear: Linear, parts: list[tuple[Tensor, Tensor, int]], kernel: MatmulKernel,
+           device: torch.device) -> ProductDelta:
+        total = sum(a.shape[0] for a, _, _ in parts)
+        b_all = torch.zeros(linear.out_features, total)
+        col = 0
+        for a, b, offset in parts:
+            b_all[offset : offset + b.shape[0], col : col + a.shape[0]] = b
+            col += a.shape[0]
+        delta = cls(torch.cat([a for a, _, _ in parts]).to(device), b_all.to(device), PackedWeight(kernel),
+                    PackedWeight(kernel), kernel.row_multiple)
+        delta.a_packed.pack(delta.a)
+        delta.b_packed.pack(delta.b)
+        return delta
 
     def delta(self, x: Tensor) -> Tensor:
-        """x [n, in] -> scale * (x A) B [n, out] on the float kernel, each row's bits its own (rows padded to the
-        row multiple, calls of proven row counts)."""
-        a_packed, b_packed, b = self.products
+        """x [n, in] -> scale * (x A) B [n, out], each row's bits its own (rows padded to the row multiple, calls of
+        proven row counts)."""
         n = x.shape[0]
         pad = -n % self.row_multiple
         if pad:
             x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-        xa = a_packed.product(x.to(self.a.dtype), self.a, None)
-        return b_packed.product(xa, b, None)[:n]
+        return self.b_packed.product(self.a_packed.product(x.to(self.a.dtype), self.a, None), self.b, None)[:n]
 
     @property
     def nbytes(self) -> int:
-        if self.products is None:
-            return (self.a.numel() + self.bt.numel()) * self.a.element_size()
-        a_packed, b_packed, b = self.products
-        return a_packed.nbytes(self.a) + b_packed.nbytes(b)
+        return self.a_packed.nbytes(self.a) + self.b_packed.nbytes(self.b)
 
     def packs(self) -> list[tuple[PackedWeight, Tensor]]:
-        return [] if self.products is None else [(self.products[0], self.a), (self.products[1], self.products[2])]
+        return [(self.a_packed, self.a), (self.b_packed, self.b)]
+
+
+ModuleDelta = SegmentDelta | ProductDelta
 
 
 @dataclass
@@ -284,22 +325,10 @@ def load_adapter(model: Transformer, name: str, directory: str | Path, max_rank:
 
 def _module_delta(linear: Linear, parts: list[tuple[Tensor, Tensor, int]], kernel: MatmulKernel,
                   device: torch.device) -> ModuleDelta:
-    """One Linear's parts stacked: A's one above the other, B block-diagonal in each part's output rows."""
-    total = sum(a.shape[0] for a, _, _ in parts)
-    a_all = torch.cat([a for a, _, _ in parts]).contiguous()
-    b_all = torch.zeros(linear.out_features, total)
-    col = 0
-    for a, b, offset in parts:
-        b_all[offset : offset + b.shape[0], col : col + a.shape[0]] = b
-        col += a.shape[0]
-    a_all, b_all = a_all.to(device), b_all.to(device)
+    """One Linear's parts (A, scaled B, first output row): segments for the C++ kernel, else stacked products."""
     if native(device):
-        return ModuleDelta(a_all, b_all.T.contiguous())
-    delta = ModuleDelta(a_all, b_all.T.contiguous(), (PackedWeight(kernel), PackedWeight(kernel), b_all),
-                        kernel.row_multiple)
-    delta.products[0].pack(a_all)
-    delta.products[1].pack(b_all)
-    return delta
+        return SegmentDelta.of(parts)
+    return ProductDelta.of(linear, parts, kernel, device)
 
 
 def native(device: torch.device) -> bool:
@@ -315,8 +344,9 @@ class LoraTable:
     The table is one tensor for the runner's life: a recorded step names it, and each step writes its adapters'
     rows into it before it runs (eager or replayed), so one program serves any mix of adapters."""
 
-    def __init__(self, model: Transformer, slots: int) -> None:
+    def __init__(self, model: Transformer, slots: int, max_rank: int) -> None:
         self.index: dict[Linear, int] = {}
+        self.width = 3 * max_rank  # the most rank rows one projection's parts hold (q, k and v of qkv)
         for layer in model.model.layers:
             linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             if not model.config.num_experts:  # a mixture of experts adapts its attention only (_parts)
@@ -329,7 +359,7 @@ class LoraTable:
         """An adapter's rows of the table: [projections, 3]."""
         entries = torch.zeros(len(self.index), 3, dtype=torch.int64)
         for linear, delta in modules.items():
-            entries[self.index[linear]] = torch.tensor([delta.a.data_ptr(), delta.bt.data_ptr(), delta.a.shape[0]])
+            entries[self.index[linear]] = torch.tensor([delta.desc.data_ptr(), len(delta.segments), delta.rank])
         return entries
 
     def place(self, adapters: list[LoraAdapter]) -> None:
@@ -350,6 +380,7 @@ class LoraStep:
     adapters: list[LoraAdapter]
     row_slot: Tensor
     table: LoraTable | None = None
+    xa: Tensor | None = None  # the C++ kernel's scratch [rows, table.width]
     groups: list[Tensor] = field(default_factory=list)
 
     @classmethod
@@ -360,9 +391,9 @@ class LoraStep:
         row_slot = torch.tensor(which, dtype=torch.int64)
         if table is not None:
             table.place(adapters)
-            return cls(adapters, row_slot, table)
+            return cls(adapters, row_slot, table, torch.empty(num_rows, table.width))
         groups = [(row_slot == i).nonzero().flatten().to(device) for i in range(len(adapters))]
-        return cls(adapters, row_slot.to(device), None, groups)
+        return cls(adapters, row_slot.to(device), groups=groups)
 
 
 def slots_of(loaded: dict[str, LoraAdapter], names: Iterable[str | None], query_lens: Iterable[int],
@@ -390,7 +421,7 @@ class AdaptedLinears:
         if step.table is not None:  # pagoda's C++ kernel: every row of every adapter in one call
             index = step.table.index.get(layer)
             if index is not None:
-                cpu_native.lora_apply(out, x, step.table.table, index, step.row_slot)
+                cpu_native.lora_apply(out, x, step.table.table, index, step.row_slot, step.xa)
             return out
         for adapter, rows in zip(step.adapters, step.groups):
             delta = adapter.modules.get(layer)

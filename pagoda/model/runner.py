@@ -159,7 +159,7 @@ class TorchModelRunner:
         self.batch_invariant = config.batch_invariant
         self.adapters: dict[str, lora.LoraAdapter] = {}  # loaded LoRA adapters by name (pagoda/model/lora.py)
         # where a step's adapters are for pagoda's C++ kernel (None: their products run on the float kernel)
-        self.lora_table = lora.LoraTable(model, config.max_loras) if lora.native(self.device) else None
+        self.lora_table = lora.LoraTable(model, config.max_loras, config.max_lora_rank) if lora.native(self.device) else None
         self.enable_lora = config.enable_lora  # step graphs hold LoRA nodes (EngineConfig)
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_summary = why_not if not asked else f"off: {why_not}; every step runs eagerly"
