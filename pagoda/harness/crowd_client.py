@@ -49,10 +49,12 @@ class ClientOutcome:
 
 def client_request(plan: ClientPlan, model: str, history: tuple[tuple[str, str], ...] = (),
                    cache_salt: str | None = None) -> ClientRequest:
-    """The plan as a generic request, for its endpoint to put in its own words (`cache_salt` overrides the plan's)."""
+    """The plan as a generic request, for its endpoint to put in its own words (`cache_salt` overrides the plan's;
+    a plan on a LoRA adapter asks for the adapter's name as its model)."""
     return ClientRequest(prompt=plan.prompt_text or "Hello", max_tokens=plan.max_tokens, stream=plan.stream,
                          temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
-                         ignore_eos=plan.ignore_eos, model=model, cache_salt=cache_salt or plan.cache_salt,
+                         ignore_eos=plan.ignore_eos, model=plan.adapter or model,  # a LoRA adapter: its name
+                         cache_salt=cache_salt or plan.cache_salt,
                          history=history, json_schema=json.loads(plan.json_schema) if plan.json_schema else None)
 
 
