@@ -3,24 +3,28 @@
 An adapter loaded at start-up (`pagoda serve --lora-modules NAME=PATH`) or later through the routes below is a
 model of its own: a request whose `model` names it runs with it (pagoda.api.generation.served_model, which also
 keeps a tenant limited to some adapters from the others), and /v1/models lists it with `parent` the served
-model's name and `root` its directory, as vLLM does (`adapter_cards`, handed to the route plugins in their
-RouteContext).
+model's name (or the `base_model_name` --lora-modules gave it) and `root` its directory, as vLLM does
+(`adapter_cards`, handed to the route plugins in their RouteContext).
 
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}       200 "Success: LoRA adapter 'x' added successfully."
-                                                                   400 naming the field of a refused adapter (its
+                                                                   404 naming lora_path for a path that does not
+                                                                   exist (vLLM's NotFoundError); 400 naming the
+                                                                   field of any other refused adapter (its
                                                                    adapter_config.json field, tensor, lora_name or
                                                                    lora_path), or a name already served
     POST /v1/unload_lora_adapter  {"lora_name", "lora_int_id"?}    200 once the adapter's last request has ended;
                                                                    404 for a name that is not loaded
 
 vLLM's routes and bodies (its `lora_int_id` is read and not needed: names are the ids here). They exist only
-with `--enable-lora-loading`, need a key when the server has keys, and answer in OpenAI's error shape. A tenant
-limited to some adapters may load and unload only those.
+with `--enable-lora-loading` and answer in OpenAI's error shape. Loading or unloading changes what every tenant is
+served, so on a server with keys only a key that may manage adapters may call them (`Tenant.manage_adapters`:
+`--api-key`'s, and a keys file's tenants marked `"manage_adapters": true`); another key gets 403, no key 401.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -31,9 +35,9 @@ from litestar.params import JSONBody
 from litestar.types import Guard
 
 from pagoda.api.body import STATE_KEY, strict_body_of
-from pagoda.api.generation import Services, visible_adapters
+from pagoda.api.generation import Services, served_model, visible_adapters
 from pagoda.api.http_errors import ERRORS_OPT
-from pagoda.core.adapters import UnknownAdapter
+from pagoda.core.adapters import UnknownAdapter, check_adapter_name
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.request_fields import RequestError
 
@@ -58,24 +62,16 @@ class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
     lora_int_id: int | None = None  # vLLM's numeric id; pagoda knows adapters by name only
 
 
-def check_adapter_name(name: str, model_names: tuple[str, ...]) -> None:
-    """Refuse (400 naming lora_name) an adapter name a request could not reach: the served model's or an alias."""
-    if name in model_names:
-        raise RequestError(f"lora_name {name!r} is the served model's name; an adapter needs a name of its own",
-                           "lora_name")
-    if name != name.strip():
-        raise RequestError(f"lora_name {name!r} begins or ends with white space", "lora_name")
-
-
-def adapter_cards(services: Services,
-                  card_of: Callable[[str], Mapping[str, Any]]) -> Callable[[Any], dict[str, dict[str, Any]]]:
+def adapter_cards(services: Services, card_of: Callable[[str], Mapping[str, Any]],
+                  parents: Mapping[str, str] | None = None) -> Callable[[Any], dict[str, dict[str, Any]]]:
     """`RouteContext.adapters`: the cards of the adapters a request's tenant may name, by name.
 
     `card_of(name)` is the served model's card made for another name (every plugin's fields); an adapter's card
-    adds vLLM's `parent` (the served name) and `root` (the adapter's directory). Each card is made once per
-    loaded adapter (its `created` is when it was first listed)."""
+    adds vLLM's `parent` (`parents[name]`, the `base_model_name` --lora-modules gave it, else the served name) and
+    `root` (the adapter's directory). Each card is made once per loaded adapter (its `created` is when it was
+    first listed)."""
     made: dict[tuple[str, str], dict[str, Any]] = {}
-    parent = services.context.model_name
+    parents = dict(parents or {})
 
     def cards(request: Any) -> dict[str, dict[str, Any]]:
         loaded = services.engine.adapters
@@ -85,6 +81,7 @@ def adapter_cards(services: Services,
         for name, info in visible_adapters(services, services.tenants.of(request)).items():
             key = (name, info.path)
             if key not in made:
+                parent = parents.get(name, services.context.model_name)
                 made[key] = {**card_of(name), "id": name, "parent": parent, "root": info.path}
             out[name] = made[key]
         return out
@@ -92,17 +89,33 @@ def adapter_cards(services: Services,
     return cards
 
 
+def model_resolver(services: Services) -> Callable[[Any, str | None], tuple[str, str | None]]:
+    """`RouteContext.resolve_model`: a route's `model` resolved as a generation request's is (served_model), for the
+    request's tenant; a route never answers a name the server does not serve."""
+
+    def resolve_model(request: Any, name: str | None) -> tuple[str, str | None]:
+        return served_model(services, name, services.tenants.of(request))
+
+    return resolve_model
+
+
 def adapter_routes(services: Services, guards: list[Guard]) -> list[HTTPRouteHandler]:
     """POST /v1/load_lora_adapter and POST /v1/unload_lora_adapter (only with --enable-lora-loading)."""
+
+    def may_manage(request: Request, name: str) -> None:
+        """403 naming lora_name unless the caller's tenant may load and unload adapters."""
+        if not services.tenants.of(request).manage_adapters:
+            raise RequestError(f"this key may not load or unload LoRA adapters ({name!r}): its tenant is not "
+                               f"marked manage_adapters", "lora_name", status=403, code="permission_denied")
 
     async def load_lora_adapter(request: Request, data: Any) -> Response[str]:
         """Load a PEFT LoRA adapter directory and serve it as the model `lora_name` (vLLM's route)."""
         body: LoadLoraAdapterRequest = getattr(request.state, STATE_KEY, data)
         name = body.lora_name
-        check_adapter_name(name, (services.context.model_name, *services.model_names))
-        if not services.tenants.of(request).may_use(name):
-            raise RequestError(f"this key may not use the LoRA adapter {name!r}", "lora_name", status=403,
-                               code="permission_denied")
+        may_manage(request, name)
+        check_adapter_name(name, services.model_names or (services.context.model_name,))  # AdapterError: 400
+        if not os.path.exists(body.lora_path):  # vLLM answers a path it cannot find with 404 (NotFoundError)
+            raise RequestError(f"lora_path {body.lora_path!r} does not exist", "lora_path", status=404)
         info = await services.engine.load_adapter(name, body.lora_path)  # AdapterError: 400 naming its field
         logger.warning("LoRA adapter %r loaded from %s (%s): rank %d, %d bytes", name, info.path, LOAD_PATH,
                        info.rank, info.nbytes)
@@ -113,12 +126,11 @@ def adapter_routes(services: Services, guards: list[Guard]) -> list[HTTPRouteHan
         requests in flight have ended (vLLM's route)."""
         body: UnloadLoraAdapterRequest = getattr(request.state, STATE_KEY, data)
         name = body.lora_name
+        may_manage(request, name)
         try:
-            if not services.tenants.of(request).may_use(name):  # not one of its adapters: it does not exist for it
-                raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded")
             await services.engine.unload_adapter(name)
-        except UnknownAdapter as exc:
-            raise RequestError(str(exc).split(" (loaded:")[0], "lora_name", status=404,
+        except UnknownAdapter:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded", "lora_name", status=404,
                                code="model_not_found") from None
         logger.warning("LoRA adapter %r unloaded (%s)", name, UNLOAD_PATH)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type=MediaType.TEXT)

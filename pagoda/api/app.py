@@ -28,7 +28,7 @@ from litestar.types import Guard
 
 from pagoda import __version__
 from pagoda.api.access_log import access_log_middleware
-from pagoda.api.adapters import adapter_cards, adapter_routes, check_adapter_name
+from pagoda.api.adapters import adapter_cards, adapter_routes, model_resolver
 from pagoda.api.errors import handle_exception
 from pagoda.api.generation import Services, endpoint_route
 from pagoda.api.health import health_routes
@@ -37,11 +37,11 @@ from pagoda.api.limits import Limits, limits_middleware
 from pagoda.api.metrics import Metrics
 from pagoda.api.settings import ServeSettings
 from pagoda.api.tenants import TenantTable
+from pagoda.core.adapters import AdapterError, check_adapter_name
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.plugins.manager import collect_disconnect_policies, collect_endpoints, collect_model_card, collect_routes
 from pagoda.plugins.manager import collect_tool_parsers
 from pagoda.plugins.protocol import ServeContext
-from pagoda.plugins.request_fields import RequestError
 from pagoda.plugins.route import Route, RouteContext, ServedModel
 
 SCHEMA_PATH = "/schema"
@@ -67,7 +67,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     tenants = TenantTable(settings.api_key, settings.api_keys_file)  # a bad keys file: KeysFileError, a ValueError
     services = Services(engine=async_engine, context=context, metrics=metrics,
                         policy=policies[settings.disconnect_policy], send_stall_timeout=settings.send_stall_timeout,
-                        tenants=tenants, model_names=model_names(settings),
+                        tenants=tenants, model_names=(settings.served_model_name, *settings.served_model_aliases),
+                        any_model_name=not settings.refuse_unknown_models,
                         generation_defaults=dict(settings.generation_defaults))
     served = ServedModel(name=settings.served_model_name, created=int(time.time()), max_model_len=config.max_model_len,
                          aliases=settings.served_model_aliases,
@@ -75,16 +76,17 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
                          batch_invariant=async_engine.engine.describe().get("batch_invariant"))
     for name in async_engine.adapters:  # loaded at start-up (--lora-modules): each needs a name of its own
         try:
-            check_adapter_name(name, (settings.served_model_name, *settings.served_model_aliases))
-        except RequestError as exc:
+            check_adapter_name(name, services.model_names)
+        except AdapterError as exc:
             raise ValueError(f"--lora-modules: {exc}") from None
 
     def card_of(name: str) -> dict[str, Any]:  # the card of an adapter served as `name`: every plugin's fields
         return collect_model_card(plugin_manager, dataclasses.replace(served, name=name, aliases=(),
                                                                       created=int(time.time())))
 
-    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served), serving=context,
-                                 adapters=adapter_cards(services, card_of))
+    route_context = RouteContext(model=served, card=collect_model_card(plugin_manager, served),
+                                 resolve_model=model_resolver(services), serving=context,
+                                 adapters=adapter_cards(services, card_of, dict(settings.lora_parents)))
     guards = [tenants.guard] if tenants.needs_key else []
     routes = [endpoint_route(endpoint, services, guards) for endpoint in collect_endpoints(plugin_manager)]
     routes += [plugin_route(r, route_context, guards) for r in collect_routes(plugin_manager)]
@@ -114,13 +116,6 @@ def create_app(async_engine: AsyncEngine, tokenizer: Any, plugin_manager: pluggy
     app.state.services = services
     app.state.settings = settings
     return app
-
-
-def model_names(settings: ServeSettings) -> tuple[str, ...]:
-    """The names a request may ask for; () when any name is answered as the served one."""
-    if not settings.refuse_unknown_models:
-        return ()
-    return (settings.served_model_name, *settings.served_model_aliases)
 
 
 def cors_config(origins: tuple[str, ...]) -> CORSConfig | None:

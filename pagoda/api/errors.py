@@ -36,7 +36,8 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ConstraintError):  # a schema, regex or grammar the engine cannot compile
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, UnknownAdapter):  # unloaded between the model's check and admission: as if never served
-        return ApiError(404, str(exc).split(" (loaded:")[0], "model", "model_not_found")
+        named = f" {exc.name!r}" if exc.name is not None else ""  # (its message lists every adapter: not told)
+        return ApiError(404, f"the LoRA adapter{named} is not loaded", "model", "model_not_found")
     if isinstance(exc, AdapterError):  # an adapter refused at load: its config field, tensor, lora_name or lora_path
         return ApiError(400, str(exc), exc.field)
     if isinstance(exc, (AdmissionError, ValueError)):

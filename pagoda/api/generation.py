@@ -49,7 +49,7 @@ from pagoda.api.keys_file import Tenant
 from pagoda.api.metrics import Metrics
 from pagoda.api.stream_writer import END, ENCODERS, GONE, ResponseWriter
 from pagoda.api.tenant_limits import Refusal, TenantLimits, Ticket
-from pagoda.api.tenants import OPEN, TenantTable
+from pagoda.api.tenants import TenantTable
 from pagoda.core.adapters import AdapterInfo
 from pagoda.core.async_engine import AsyncEngine
 from pagoda.core.outputs import AnswerDelta
@@ -74,7 +74,10 @@ class Services:
     tenants: TenantTable = field(default_factory=TenantTable)  # who a request is, from its key (no key: one)
     tenant_limits: TenantLimits | None = None  # their limits; None = made from `metrics`
     drain: DrainState = field(default_factory=DrainState)  # set on SIGTERM: new requests are refused
-    model_names: tuple[str, ...] = ()  # the served name and its aliases; () = any name, answered as the first
+    model_names: tuple[str, ...] = ()  # the served name and its aliases (() = the context's model_name alone)
+    # a generation request naming another model is answered by the base, as the first name (the live harness's
+    # refuse_unknown_models=False); False: 404 model_not_found, as `pagoda serve` answers
+    any_model_name: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # the model's, from generation_config.json
 
     def __post_init__(self) -> None:
@@ -106,7 +109,8 @@ def serve(endpoint: Endpoint, services: Services, request: Request, body: Any) -
     tenant = services.tenants.of(request)
     access_record(request.scope).tenant = tenant.name
     try:
-        model, adapter = served_model(services, getattr(body, "model", None), tenant)
+        model, adapter = served_model(services, getattr(body, "model", None), tenant,
+                                      any_name=services.any_model_name)
         prepared = endpoint.prepare(body, services.context)
         for engine_request in [prepared] if isinstance(prepared, EngineRequest) else prepared:
             engine_request.sampling_params = with_generation_defaults(body, engine_request.sampling_params,
@@ -129,27 +133,33 @@ def tenant_refusal(endpoint: Endpoint, refusal: Refusal) -> Response[Any]:
     return response
 
 
-def served_model(services: Services, asked: str | None, tenant: Tenant = OPEN) -> tuple[str, str | None]:
+def served_model(services: Services, asked: str | None, tenant: Tenant, *,
+                 any_name: bool = False) -> tuple[str, str | None]:
     """(the name a response reports, the LoRA adapter the request runs with; None: the base model).
 
-    The one place a request's `model` is resolved: the served name or an alias is the base model; the name of a
-    loaded adapter the tenant may use (`Tenant.adapters`) is that adapter, reported as its own name; any other
-    name is refused with 404 model_not_found, naming what this tenant may ask for."""
-    if asked in services.model_names:
+    The one place a request's `model` is resolved, for the protocols and every route that names a model
+    (`RouteContext.resolve_model`): none, the served name or an alias is the base model; the name of a loaded
+    adapter the tenant may use (`Tenant.adapters`) is that adapter, reported as its own name; any other name is
+    refused with 404 model_not_found naming what this tenant may ask for, or, with `any_name`, answered by the
+    base model under the served name."""
+    names = services.model_names or (services.context.model_name,)
+    if asked is None:
+        return names[0], None
+    if asked in names:
         return asked, None
     adapters = visible_adapters(services, tenant)
-    if asked is not None and asked in adapters:
+    if asked in adapters:
         return asked, asked
-    if services.model_names and asked is not None:
-        served = ", ".join(map(repr, services.model_names))
-        if adapters:
-            served += f", and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
-        raise RequestError(f"model {asked!r} does not exist; this server serves {served}", "model", status=404,
-                           code="model_not_found")
-    return services.context.model_name, None
+    if any_name:
+        return names[0], None
+    served = ", ".join(map(repr, names))
+    if adapters:
+        served += f", and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
+    raise RequestError(f"model {asked!r} does not exist; this server serves {served}", "model", status=404,
+                       code="model_not_found")
 
 
-def visible_adapters(services: Services, tenant: Tenant = OPEN) -> dict[str, AdapterInfo]:
+def visible_adapters(services: Services, tenant: Tenant) -> dict[str, AdapterInfo]:
     """The loaded LoRA adapters `tenant` may name as its model, by name (an adapter being unloaded is not)."""
     return {name: info for name, info in services.engine.adapters.items() if tenant.may_use(name)}
 

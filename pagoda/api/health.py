@@ -4,9 +4,11 @@ Both read the stats the engine loop published after its latest turn
 (`AsyncEngine.latest_stats`): the loop's own numbers, answered at once instead
 of after the step in progress (a step under load takes hundreds of ms).
 LoRA adapters are resident memory beside the weights and the KV pool: /health
-lists each one requests may name (`lora_adapters`: name, path, rank, bytes,
-target modules) beside the stats' `lora_adapters_loaded`, `lora_adapter_bytes`
-and `lora_adapters_in_use`, which /metrics has as gauges.
+lists each one loaded (`lora_adapters`: name, rank, bytes, target modules, and
+`unloading`: true while an unload waits for its requests in flight, when new
+requests may no longer name it) beside the stats' `lora_adapters_loaded`,
+`lora_adapter_bytes` and `lora_adapters_in_use`, which /metrics has as gauges.
+/health is open, so it never says where an adapter lives on the server's disk.
 
 GET /v1/models and the chat page are plugin routes (pagoda/plugins/builtin/models.py, chat_page.py).
 """
@@ -31,6 +33,13 @@ def engine_stats(services: Services, timeout: float) -> dict[str, int] | None:
         return None
 
 
+def lora_adapters(services: Services) -> list[dict[str, Any]]:
+    """/health's `lora_adapters`: every adapter holding memory, without its path (the table the engine's thread
+    publishes whole, so it is read here without waiting for a step)."""
+    return [{**{k: v for k, v in info.describe().items() if k != "path"}, "unloading": unloading}
+            for info, unloading in services.engine.engine.adapters.resident.values()]
+
+
 def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHandler]:
     """/health (503 when the engine loop does not answer) and /metrics."""
     speculation = services.engine.engine.speculation.describe()
@@ -44,8 +53,7 @@ def health_routes(services: Services, health_timeout: float) -> list[HTTPRouteHa
         except EngineDeadError as exc:
             return Response({"status": "unavailable", "error": str(exc), **described}, status_code=503)
         # set at start-up: the setting and the runner's row multiple
-        stats = {**stats, "speculation": speculation, **described,
-                 "lora_adapters": [info.describe() for info in services.engine.adapters.values()]}
+        stats = {**stats, "speculation": speculation, **described, "lora_adapters": lora_adapters(services)}
         if services.drain.draining:
             return Response({"status": "draining", **stats}, status_code=503)
         return Response({"status": "ok", **stats}, status_code=200)

@@ -2,12 +2,14 @@
 
     {"tenants": [{"name": "team-a", "key_sha256": "<hex of sha256(key)>", "weight": 1, "priority": 0,
                   "max_concurrent": 64, "requests_per_minute": 600, "tokens_per_minute": 200000,
-                  "adapters": ["support-bot"]}]}
+                  "adapters": ["support-bot"], "manage_adapters": false}]}
 
 JSON (`.json`) or TOML (`.toml`, an array of tables `[[tenants]]`); only `name` and `key_sha256` are
 required. Keys are never stored: only their SHA-256, so the file can be read by more people than the keys.
 `adapters` limits a tenant to those LoRA adapters (by the names they are served as; the base model stays
-allowed): another adapter does not exist for it (404). Absent: every adapter.
+allowed): another adapter does not exist for it (404). Absent: every adapter. `manage_adapters` (false unless
+given) lets its key load and unload adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), which changes
+what every tenant is served; `--api-key`'s tenant may, as may everyone on a server without keys.
 
 Design note. A file is read whole into a tuple of frozen `Tenant`s or refused whole with a `KeysFileError`
 that says where: the parser's line for a syntax error, else the entry's index and the field. An unknown field
@@ -31,7 +33,7 @@ DEFAULT_TENANT = "default"  # the tenant of `--api-key`, and the one label of a 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # a metric label value and a log word: no spaces, bounded
 _LIMITS = ("max_concurrent", "requests_per_minute", "tokens_per_minute")
-_FIELDS = {"name", "key_sha256", "weight", "priority", "adapters", *_LIMITS}
+_FIELDS = {"name", "key_sha256", "weight", "priority", "adapters", "manage_adapters", *_LIMITS}
 
 
 class KeysFileError(ValueError):
@@ -53,6 +55,7 @@ class Tenant:
     cache_key: str | None = None
     # The LoRA adapters it may name as its model (the base model always); None = every adapter.
     adapters: frozenset[str] | None = None
+    manage_adapters: bool = False  # may load and unload LoRA adapters (every tenant is served what it changes)
 
     def may_use(self, adapter: str) -> bool:
         """Whether this tenant may name the LoRA adapter `adapter` (loaded or not)."""
@@ -66,7 +69,8 @@ def tenant_cache_key(name: str) -> str:
 
 def single_key_tenant(api_key: str) -> Tenant:
     """`--api-key KEY` as a tenant, "default", whose prefix-cache key is the key's hash as it always was."""
-    return Tenant(DEFAULT_TENANT, hashlib.sha256(api_key.encode()).digest(), cache_key=key_hash(api_key))
+    return Tenant(DEFAULT_TENANT, hashlib.sha256(api_key.encode()).digest(), cache_key=key_hash(api_key),
+                  manage_adapters=True)
 
 
 def read_keys_file(path: str | Path) -> tuple[Tenant, ...]:
@@ -127,8 +131,11 @@ def _tenant(entry: Any, where: str) -> Tenant:
         if value is not None and (not _is_int(value) or value < 1):
             raise KeysFileError(f"{where}.{field}: a positive integer (or absent: no limit), got {value!r}")
         limits[field] = value
+    manage = entry.get("manage_adapters", False)
+    if not isinstance(manage, bool):
+        raise KeysFileError(f"{where}.manage_adapters: true or false, got {manage!r}")
     return Tenant(name, bytes.fromhex(digest), float(weight), priority, cache_key=tenant_cache_key(name),
-                  adapters=_adapters(entry.get("adapters"), where), **limits)
+                  adapters=_adapters(entry.get("adapters"), where), manage_adapters=manage, **limits)
 
 
 def _adapters(value: Any, where: str) -> frozenset[str] | None:

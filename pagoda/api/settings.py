@@ -37,6 +37,9 @@ class ServeSettings:
     request_limits: RequestLimits = DEFAULT_LIMITS  # stop strings, logprobs, max_tokens of one request
     # --enable-lora-loading: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (pagoda.api.adapters)
     enable_lora_loading: bool = False
+    # (adapter name, parent) of the --lora-modules given vLLM's `base_model_name`: the parent its card names (the
+    # others' is the served name)
+    lora_parents: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

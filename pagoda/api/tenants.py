@@ -27,7 +27,7 @@ from pagoda.api.keys_file import DEFAULT_TENANT, KeysFileError, Tenant, read_key
 
 logger = logging.getLogger("pagoda.api")
 TENANT_KEY = "pagoda.tenant"  # scope key of the Tenant the guard matched
-OPEN = Tenant(DEFAULT_TENANT, None)  # the one tenant of a server that needs no key
+OPEN = Tenant(DEFAULT_TENANT, None, manage_adapters=True)  # the one tenant of a server that needs no key
 
 
 class TenantTable:

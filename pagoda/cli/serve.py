@@ -20,6 +20,7 @@ from pagoda.cli.data_parallel import add_data_parallel_options
 from pagoda.cli.parallel_option import add_parallel_options, parallel_fields
 from pagoda.cli.plugins import add_disable_option
 from pagoda.cli.speculative_option import add_speculative_option
+from pagoda.core.adapters import AdapterError, check_adapter_name
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.scheduling import SchedulingPolicy
 from pagoda.model.architectures import Architectures
@@ -33,7 +34,8 @@ FAILED_GROUP_LINGER_S = 5.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="the HTTP server")
+    # no abbreviations: a flag of another server's (vLLM's --enable-lora) must never pass for a prefix of pagoda's
+    p = sub.add_parser("serve", help="the HTTP server", allow_abbrev=False)
     p.add_argument("--model", default="default", help="'default' (the embedded model) or a Hugging Face directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = let the system pick a free port (printed)")
@@ -102,14 +104,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     lora.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                       help="PEFT LoRA adapter directories loaded at start-up, each served as the model NAME (listed "
                            "by /v1/models with the served model as its parent); also vLLM's JSON form "
-                           "'{\"name\": NAME, \"path\": PATH}'")
+                           "'{\"name\": NAME, \"path\": PATH, \"base_model_name\": PARENT}' (PARENT: the parent "
+                           "its card names)")
     lora.add_argument("--max-loras", type=int, default=EngineConfig.max_loras, metavar="N",
                       help="distinct adapters with requests in one step (a request for another waits)")
     lora.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank, metavar="R",
                       help="an adapter of a higher rank is refused when it is loaded")
     lora.add_argument("--enable-lora-loading", action="store_true",
                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), which load "
-                           "and unload adapters while serving (behind the API key when one is set)")
+                           "and unload adapters while serving (with keys, only for a key that may manage adapters)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="accepted as vLLM spells it, and changes nothing: LoRA is on whenever --lora-modules or "
+                           "--enable-lora-loading is given")
     limits, g = RequestLimits(), p.add_argument_group("request limits (over one: 400 naming the field)")
     g.add_argument("--max-stop-strings", type=int, default=limits.max_stop, metavar="N",
                    help="stop strings one request may send")
@@ -145,8 +151,20 @@ def engine_options(args: argparse.Namespace, architectures: Architectures | None
 
 def lora_modules(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     """--lora-modules' (name, path) pairs: each NAME=PATH, or vLLM's JSON '{"name": NAME, "path": PATH}'."""
+    return tuple((name, path) for name, path, _ in _lora_specs(values))
+
+
+def lora_parents(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(name, parent) of the --lora-modules whose JSON form gives vLLM's `base_model_name`: the parent their cards
+    name (any other's is the served name)."""
+    return tuple((name, parent) for name, _, parent in _lora_specs(values) if parent is not None)
+
+
+def _lora_specs(values: list[str] | tuple[str, ...]) -> list[tuple[str, str, str | None]]:
+    """Each --lora-modules value as (name, path, base_model_name or None); ValueError naming a malformed one."""
     modules = []
     for value in values:
+        parent = None
         if value.lstrip().startswith("{"):
             try:
                 spec = json.loads(value)
@@ -158,6 +176,9 @@ def lora_modules(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], 
             if unknown:
                 raise ValueError(f"--lora-modules {value!r}: unknown field {unknown[0]!r} (known: name, path, "
                                  f"base_model_name)")
+            parent = spec.get("base_model_name")
+            if parent is not None and (not isinstance(parent, str) or not parent):
+                raise ValueError(f"--lora-modules {value!r}: base_model_name must be a non-empty string")
             name, path = spec["name"], spec["path"]
         else:
             name, sep, path = value.partition("=")
@@ -165,20 +186,21 @@ def lora_modules(values: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], 
                 raise ValueError(f"--lora-modules {value!r}: expected NAME=PATH")
         if not name or not path:
             raise ValueError(f"--lora-modules {value!r}: both the name and the path must be given")
-        modules.append((name, path))
-    return tuple(modules)
+        modules.append((name, path, parent))
+    return modules
 
 
 def check_lora_modules(modules: tuple[tuple[str, str], ...], served_names: list[str]) -> None:
-    """What can be refused before the model loads: a name the served model has, a directory that is not there
-    (every other check of an adapter needs the model: Engine.load_adapter makes it)."""
+    """What can be refused before the model loads: a name a request could not reach (the served model's, white
+    space around it), a directory that is not there (every other check of an adapter needs the model:
+    Engine.load_adapter makes it)."""
     for name, path in modules:
-        if name in served_names:
-            raise ValueError(f"LoRA adapter {name!r} ({path}) refused: {name!r} is the served model's name; an "
-                             f"adapter needs a name of its own [field: lora_name]")
-        if not Path(path).expanduser().is_dir():
-            raise ValueError(f"LoRA adapter {name!r} ({path}) refused: lora_path {path!r} is not a directory "
-                             f"[field: lora_path]")
+        try:
+            check_adapter_name(name, served_names)
+            if not Path(path).expanduser().is_dir():
+                raise AdapterError(f"lora_path {path!r} is not a directory", "lora_path")
+        except AdapterError as exc:
+            raise ValueError(f"LoRA adapter {name!r} ({path}) refused: {exc} [field: {exc.field}]") from None
 
 
 def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[str, str] | None = None) -> ServeSettings:
@@ -197,7 +219,7 @@ def serve_settings(args: argparse.Namespace, model_dir: Path, environ: Mapping[s
         max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
         request_read_timeout=args.request_read_timeout, max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout, allowed_origins=tuple(args.allowed_origins), request_limits=limits,
-        enable_lora_loading=args.enable_lora_loading,
+        enable_lora_loading=args.enable_lora_loading, lora_parents=lora_parents(args.lora_modules),
         generation_defaults=generation_defaults(model_dir) if args.generation_config == "auto" else {})
 
 

@@ -25,6 +25,13 @@ way a crash does: every caller is failed, /health says why, the runner is closed
 The abort of a request lives in one place: the `finally` of `generate`. A
 caller that stops consuming before the request finished (the task is
 cancelled, the iterator is closed or dropped, an exception escapes) aborts it.
+
+LoRA adapters. A load reads, checks and builds the adapter on a worker thread
+(`Engine.prepare_adapter`: file reads, the finiteness scan, packing, the
+invariance probe) while the loop steps on; only its install is a command. An
+unload, once asked, goes on whether or not its caller still waits: a caller that
+leaves (a client gone) stops its own wait, never the unload. When the loop ends
+(stopped or crashed), every unload still waiting fails with EngineDeadError.
 """
 
 from __future__ import annotations
@@ -200,11 +207,22 @@ class AsyncEngine:
         return self.engine.adapters.snapshot
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Load a LoRA adapter between two steps (AdapterError, naming the field, when it is refused)."""
-        return await self._ask(lambda: self.engine.load_adapter(name, path))
+        """Load a LoRA adapter (AdapterError, naming the field, when it is refused): prepared on a worker thread
+        while the engine steps on, installed between two steps."""
+        prepared = await asyncio.to_thread(self.engine.prepare_adapter, name, path)
+        return await self._ask(lambda: self.engine.install_adapter(prepared))
 
     async def unload_adapter(self, name: str) -> AdapterInfo:
-        """Unload an adapter once its last live request has ended (UnknownAdapter when it is not loaded)."""
+        """Unload an adapter once its last live request has ended (UnknownAdapter when it is not loaded; the
+        runner's error when its unload failed; EngineDeadError when the loop ends first).
+
+        Shielded: a caller that is cancelled stops waiting, and the unload goes on (the engine's future is never
+        cancelled under it)."""
+        unload = asyncio.ensure_future(self._unload_adapter(name))
+        unload.add_done_callback(_outcome_read)  # nobody may read it: its caller left
+        return await asyncio.shield(unload)
+
+    async def _unload_adapter(self, name: str) -> AdapterInfo:
         future = await self._ask(lambda: self.engine.unload_adapter(name))
         return await asyncio.wrap_future(future)
 
@@ -337,5 +355,13 @@ class AsyncEngine:
         for waiter in self._idle_waiters:
             settle(waiter, error, failed=True)
         self._idle_waiters.clear()
+        for unload in self.engine.adapters.pending_unloads():  # no step will end their adapters' requests now
+            settle(unload, error, failed=True)
         sinks, self._sinks = self._sinks, {}
         post([(sink, error) for sink in sinks.values()])
+
+
+def _outcome_read(task: asyncio.Future[Any]) -> None:
+    """Mark a task's outcome as read (no "exception was never retrieved" for a caller that left)."""
+    if not task.cancelled():
+        task.exception()

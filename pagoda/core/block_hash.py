@@ -4,9 +4,14 @@ Block `i` of a request holds tokens [i * block_size, (i + 1) * block_size).
 Its hash covers the parent block's hash and its own token ids, so equal
 hashes mean equal prefixes, not just equal blocks. The chain starts from a
 seed made of the request's extra keys (a per-request `cache_salt`, the
-tenant identity the server sets, and the LoRA adapter its rows add): requests
-with different keys never share a block, so one tenant cannot learn from
-timing what another sent, and one adapter's KV never serves another's rows.
+tenant identity the server sets, and the key of the LoRA adapter its rows add):
+requests with different keys never share a block, so one tenant cannot learn
+from timing what another sent, and one adapter's KV never serves another's rows.
+The adapter's key (`Request.adapter_key`) is its name for the first load of
+that name, and a new key for each later load of it (core/adapters.py): a name
+unloaded and loaded again from other weights never reads the KV its earlier
+load left in the cache. A router that hashes a prompt by the adapter's name
+(core/routing.py) thus matches a replica's cache for an adapter loaded once.
 
 The hash is a 128-bit BLAKE2b digest: stable across processes (unlike
 Python's `hash` of a string) and collision-resistant. The block manager still
@@ -30,7 +35,8 @@ _DIGEST_BYTES = 16
 
 @lru_cache(maxsize=4096)
 def chain_seed(cache_salt: str | None, tenant: str | None, adapter: str | None = None) -> int:
-    """The parent hash of a request's first block, made of its extra keys (the LoRA adapter's KV is its own)."""
+    """The parent hash of a request's first block, made of its extra keys (`adapter`: the LoRA adapter's cache key;
+    its KV is its own)."""
     keys = ("pagoda-prefix", cache_salt, tenant) if adapter is None else ("pagoda-prefix", cache_salt, tenant, adapter)
     h = hashlib.blake2b(repr(keys).encode(), digest_size=_DIGEST_BYTES)
     return int.from_bytes(h.digest(), "little")
@@ -46,7 +52,7 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 def parent_hash(request: Request, index: int) -> int:
     """The hash block `index` of the request chains from: the previous block's, or the seed."""
     if index == 0:
-        return chain_seed(request.cache_salt, request.tenant, request.adapter)
+        return chain_seed(request.cache_salt, request.tenant, request.adapter_key)
     return request.block_hashes[index - 1]
 
 

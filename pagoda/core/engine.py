@@ -2,6 +2,12 @@
 
 The engine is single-threaded: whoever owns it calls `add_request`, `abort`
 and `step` from one thread (the async server puts it on its own thread).
+`prepare_adapter` alone may run on any thread: it reads and builds a LoRA
+adapter without touching the engine, for `install_adapter` to serve.
+
+A runner that serves LoRA adapters has `prepare_adapter(name, path, max_rank)`
+(thread-safe: a `PreparedAdapter`), `install_adapter(prepared)` and
+`unload_adapter(name)` (core/adapters.py).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.core import speculative
-from pagoda.core.adapters import AdapterError, AdapterInfo, AdapterTable
+from pagoda.core.adapters import AdapterError, AdapterInfo, AdapterTable, PreparedAdapter
 from pagoda.core.batch import ModelRunner, RunnerLost, ScheduledChunk, SchedulerOutput
 from pagoda.core.constraint import Constraint, ConstraintError
 from pagoda.core.block_manager import BlockManager
@@ -70,6 +76,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # live requests by id
         self.adapters = AdapterTable()  # the runner's loaded LoRA adapters and their live requests (core/adapters.py)
         self._pending_aborts: list[str] = []
+        self._to_unload: list[str] = []  # adapters whose last request ended this step: unloaded at its end
         # Constrained decoding (core/grammar.py): grammars compile on a worker pool over the tokenizer's
         # vocabulary, sized to the LM head; a request waits in `compiling` until its grammar is ready.
         self.grammars = (Grammars(tokenizer.token_vocab, runner.vocab_size, sorted(self.eos_token_ids))
@@ -85,7 +92,8 @@ class Engine:
         """Queue a request; raises AdmissionError (or ValueError) for one that can never be served.
 
         `adapter`: a loaded LoRA adapter whose deltas its rows add (UnknownAdapter for another name).
-        Cached prefix blocks are shared only between requests with equal `cache_salt`, `tenant` and `adapter`.
+        Cached prefix blocks are shared only between requests with equal `cache_salt`, `tenant` and `adapter` (the
+        same load of it: core/adapters.py).
         `priority` (lower runs first) and `weight` (its tenant's share) are read by the scheduling policy.
         """
         if request_id in self.requests:
@@ -109,6 +117,7 @@ class Engine:
             priority=priority,
             weight=weight,
             adapter=adapter,
+            adapter_key=None if adapter is None else self.adapters.keys[adapter],
         )
         if sampling_params.prompt_logprobs is not None:  # the first prompt token has nothing before it to score it
             request.prompt_logprobs = [SampledToken(prompt_token_ids[0])] + [None] * (request.num_prompt_tokens - 1)
@@ -154,27 +163,56 @@ class Engine:
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         """Load a LoRA adapter that requests may then name (AdapterError, naming the field, when it is refused)."""
+        return self.install_adapter(self.prepare_adapter(name, path))
+
+    def prepare_adapter(self, name: str, path: str) -> PreparedAdapter:
+        """Read, check and build a LoRA adapter for `install_adapter` (AdapterError, naming the field, when it is
+        refused). It touches nothing of the engine's, so it may run on any thread while the engine steps."""
+        if name in self.adapters.snapshot:  # a quick refusal (the snapshot is safe to read anywhere); install checks
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
+        prepare = getattr(self.runner, "prepare_adapter", None)
+        if prepare is None:
+            raise AdapterError("this engine's model runner serves no LoRA adapters", "lora_path")
+        return prepare(name, path, self.config.max_lora_rank)
+
+    def install_adapter(self, prepared: PreparedAdapter) -> AdapterInfo:
+        """Serve a prepared adapter: requests may name it from now on (AdapterError, naming lora_name, when its name
+        was loaded meanwhile, or is still being unloaded)."""
+        name = prepared.info.name
         if name in self.adapters.loaded:
             raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
-        load = getattr(self.runner, "load_adapter", None)
-        if load is None:
-            raise AdapterError("this engine's model runner serves no LoRA adapters", "lora_path")
-        info = load(name, path, self.config.max_lora_rank)
+        info = self.runner.install_adapter(prepared)
         self.adapters.add(info)
-        logger.info("LoRA adapter %r loaded from %s: rank %d, %s, %.1f MiB", name, path, info.rank,
+        logger.info("LoRA adapter %r loaded from %s: rank %d, %s, %.1f MiB", name, info.path, info.rank,
                     "+".join(info.target_modules), info.nbytes / 2**20)
         return info
 
     def unload_adapter(self, name: str) -> Future[AdapterInfo]:
         """Unload an adapter (UnknownAdapter when none is loaded by that name). New requests may no longer name it
-        at once; it is freed when its last live request ends, which the future says."""
+        at once; it is freed when its last live request ends (at once when none is live), which the future says:
+        the adapter's info, or the runner's error when its unload failed."""
         future, now = self.adapters.begin_unload(name)
         if now:
             self._unload(name)
         return future
 
+    def _unload_released(self) -> None:
+        """The step's last phase: unload the adapters being unloaded whose last request ended in this step."""
+        pending, self._to_unload = self._to_unload, []
+        for name in pending:
+            self._unload(name)
+
     def _unload(self, name: str) -> None:
-        self.runner.unload_adapter(name)
+        """The runner frees the adapter and the table forgets it, even when the runner fails: its waiters then
+        hear the runner's error. A RunnerLost (no step can run again) is raised on once they have heard it."""
+        try:
+            self.runner.unload_adapter(name)
+        except BaseException as exc:
+            self.adapters.remove(name, exc)
+            if isinstance(exc, RunnerLost) or not isinstance(exc, Exception):
+                raise
+            logger.exception("unloading LoRA adapter %r failed; it is forgotten all the same", name)
+            return
         self.adapters.remove(name)
         logger.info("LoRA adapter %r unloaded", name)
 
@@ -195,20 +233,26 @@ class Engine:
     def step(self) -> list[AnswerDelta]:
         """One engine iteration; returns the outputs of every request that progressed or ended."""
         outputs = self._apply_aborts() + self._admit_compiled()
+        outputs += self._forward()
+        self._unload_released()  # after every way a request may have ended in this step
+        return outputs
+
+    def _forward(self) -> list[AnswerDelta]:
+        """Schedule, run, advance the computed counts, collect."""
         started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self.compiling.wait(_COMPILE_WAIT_S)  # nothing to run: rather than spin, wait for a grammar
-            return outputs
+            return []
         self.counters.steps_total += 1
         try:
             logits = self.runner.execute(batch).logits
         except RunnerLost:
             raise  # no step can run again: whoever owns the engine ends every request (core/async_engine.py)
         except Exception as exc:  # one failed forward must not take the server down
-            return outputs + self._fail(batch, exc)
+            return self._fail(batch, exc)
         self._advance(batch, started)
-        return outputs + self._collect(batch, logits)
+        return self._collect(batch, logits)
 
     def run(self) -> Iterator[AnswerDelta]:
         """Step until every request has finished (offline use)."""
@@ -321,8 +365,8 @@ class Engine:
         else:
             self.scheduler.remove(request)
         del self.requests[request.request_id]
-        if (unload := self.adapters.release(request.adapter)) is not None:  # the last user of one being unloaded
-            self._unload(unload)
+        if (unload := self.adapters.release(request.adapter)) is not None:  # the last user of one being unloaded:
+            self._to_unload.append(unload)  # unloaded at the end of the step (_unload_released), not in its phase
         request.finished_time = self.clock()
         request.finish_reason = reason
         stream = request.text_stream

@@ -51,8 +51,11 @@ class Request:
     # prompt tokens found in the cache when the request was first scheduled (usage's cached_tokens).
     cache_salt: str | None = None
     tenant: str | None = None  # who the request is for: the fair policy's unit (None is one tenant)
-    # the LoRA adapter its rows add (a loaded adapter's name; None: the base model alone); part of its block hashes
+    # the LoRA adapter its rows add (a loaded adapter's name; None: the base model alone), and the key its KV is
+    # cached under, part of its block hashes: the name, or name#n for a name loaded again (core/adapters.py); left
+    # None it is the name
     adapter: str | None = None
+    adapter_key: str | None = None
     priority: int = 0  # the priority policy's order: lower runs first (vLLM's meaning)
     weight: float = 1.0  # the tenant's weight under the fair policy: its share of slots and tokens
     block_hashes: list[int] = field(default_factory=list)
@@ -68,6 +71,10 @@ class Request:
     # Prompt logprobs (sampling_params.prompt_logprobs): position i's entry scores prompt token i (the first has no
     # logprob), filled in as the prefill's chunks compute them and reported with the first output.
     prompt_logprobs: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.adapter_key is None:
+            self.adapter_key = self.adapter
 
     @property
     def num_prompt_tokens(self) -> int:

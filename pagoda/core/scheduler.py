@@ -30,9 +30,16 @@ n-gram drafts (core/speculative.py) in the rows the runner would pad anyway
 extra rows the setting allows (none by default, so a step never grows); their
 slots are allocated like any tokens, and a draft never preempts or waits for
 a block. `self.speculation` is what the setting and the runner leave running.
+
 LoRA adapters. A request may add an adapter's deltas to its rows (`Request.adapter`); at most
-`max_loras` distinct adapters run at once. A waiting request whose adapter would be one too many
-stops admission until a running adapter's last request leaves, so it is never starved.
+`max_loras` distinct adapters run at once. When the request the policy chose could run but for
+its adapter being one too many, no other adapter request is admitted past it in that step, while
+base requests (they take no adapter slot) still are, in the policy's order and under the same
+budget, block and slot checks (the policy picks from a view of the waiting queue holding only
+them). It is never starved: the running adapters' requests end in bounded time and none joins
+them, so its adapter gets its place; and once its adapter fits, a request short of blocks or a
+slot stops admission as any does.
+
 Policy. The order of admission, each request's share of the step's budget and the
 choice of whom to preempt are asked of a SchedulingPolicy (core/scheduling.py);
 the default, fcfs, is the schedule described above. A policy may also preempt
@@ -169,10 +176,11 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         bm, policy = self.block_manager, self.policy
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            request = policy.next_waiting(self.waiting, self.running)  # fcfs: the head of the queue
-            if request is None:
-                break
+        candidates = self.waiting  # what the policy picks from: the waiting queue, or only its base requests (below)
+        while candidates and budget > 0 and len(self.running) < self.config.max_running:
+            request = policy.next_waiting(candidates, self.running)  # fcfs: the head of the queue
+            if request is None or (candidates is not self.waiting and request.adapter is not None):
+                break  # (or, past a request its adapter held back, a policy that picked beyond the base requests)
             assert request.num_computed_tokens == 0, f"waiting request {request.request_id!r} has computed tokens"
             # never covers the last token: num_new >= 1. A request scoring its prompt computes every position: the
             # cache holds KV, not the logits its prompt logprobs need.
@@ -184,11 +192,12 @@ class Scheduler:
             if not bm.can_allocate(request.request_id, num_cached + num_new, hits):
                 break  # nobody overtakes the request the policy chose (fcfs: the head of the queue)
             if not self._adapter_fits(request):
-                break  # nor while its adapter waits for one to leave the step: it is never starved
-            if self.waiting[0] is request:
-                self.waiting.popleft()
-            else:
-                _remove_identical(self.waiting, request)
+                # only its adapter holds it back: base requests may come in past it, no adapter request may
+                candidates = deque(r for r in self.waiting if r.adapter is None)
+                continue
+            _take(self.waiting, request)
+            if candidates is not self.waiting:
+                _take(candidates, request)
             self._count_prefix_hit(request, num_cached)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -201,8 +210,8 @@ class Scheduler:
         """Whether running `request` keeps the running requests' distinct LoRA adapters within `max_loras`.
 
         Every step's chunks are running requests', so this bounds each step. A request that does not fit stops
-        admission (as a request short of blocks does): the running adapters' requests end in bounded time and
-        none joins them meanwhile, so the waiting request's adapter gets its place."""
+        the admission of adapter requests (base requests still come in): the running adapters' requests end in
+        bounded time and none joins them meanwhile, so the waiting request's adapter gets its place."""
         if request.adapter is None:
             return True
         running = {r.adapter for r in self.running if r.adapter is not None}
@@ -282,6 +291,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+
+def _take(queue: deque[Request], request: Request) -> None:
+    """Remove an admitted request from `queue`: its head, usually."""
+    if queue[0] is request:
+        queue.popleft()
+    else:
+        _remove_identical(queue, request)
 
 
 def _remove_identical(queue: list[Request] | deque[Request], request: Request) -> None:

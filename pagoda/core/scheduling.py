@@ -9,8 +9,8 @@ lives on the request, no policy changes an answer (only when it is computed). Th
     start_step          once per schedule(), before anything is handed out (a policy's per-step state)
     rebalance           running requests to preempt so that better-placed waiting ones can run
     grant               how many of the step's tokens a request may take now (<= what it wants and the budget)
-    next_waiting        the waiting request to admit next (None: admit no more this step); see its docstring
-                        for what the scheduler does when it then does not admit it
+    next_waiting        the waiting request to admit next, one of the deque it is given (None: admit no more
+                        this step); see its docstring for what the scheduler does when it then does not admit it
     victim              the running request to preempt when the pool is short of blocks
 
 fcfs (the default) is today's schedule exactly: arrivals at the back, preempted requests at the front, the head
@@ -102,14 +102,20 @@ class SchedulingPolicy:
     def next_waiting(self, waiting: deque[Request], running: Sequence[Request]) -> Request | None:
         """The waiting request to admit next, one of `waiting` (None: admit no more this step).
 
-        The contract. The scheduler then asks `grant` for the request's first chunk and checks that chunk's blocks.
-        If both allow it, the request leaves `waiting` and runs. If not (`grant` gives it no token, or the blocks
-        are short), the scheduler admits nobody else this step and leaves the request in `waiting` where it
-        was: still WAITING, holding no blocks and no computed tokens. Nothing tells the policy, and the tokens
-        `grant` gave it stay counted as given. So a policy may commit per-step state here as though the request
-        were admitted (fair takes it off its own queue and counts it as running) as long as `start_step`
-        rebuilds that state from `running` and `waiting`: until the next `start_step` the policy hears only
-        `enqueue` (new arrivals) and `anticipation` (before the next schedule).
+        The contract. The scheduler then asks `grant` for the request's first chunk and checks that chunk's blocks
+        and the LoRA rule (core/scheduler.py). If all allow it, the request leaves `waiting` and runs. If not, the
+        request stays in the scheduler's waiting queue where it was: still WAITING, holding no blocks and no
+        computed tokens. Nothing tells the policy, and the tokens `grant` gave it stay counted as given. When
+        `grant` gave it no token or the blocks are short, the scheduler admits nobody else this step. When only
+        its adapter held it back (one too many), the scheduler goes on admitting base requests alone: it asks
+        again with `waiting` a new deque holding only the waiting queue's base requests, in its order (and the
+        same deque, less each one admitted, until the step's admission ends), so a policy must pick from the
+        `waiting` it is given.
+
+        So a policy may commit per-step state here as though the request were admitted (fair takes it off its
+        own queue and counts it as running) as long as `start_step` rebuilds that state from `running` and
+        `waiting`: until the next `start_step` the policy hears only `enqueue` (new arrivals) and `anticipation`
+        (before the next schedule).
         """
         return waiting[0] if waiting else None
 
@@ -173,6 +179,7 @@ class FairPolicy(SchedulingPolicy):
         self.weights: dict[str | None, float] = {}  # tenant -> its latest request's weight
         self.running_count: dict[str | None, int] = {}  # this step, kept as requests are admitted and preempted
         self.queues: dict[str | None, deque[Request]] = {}  # this step: each tenant's waiting requests, in order
+        self.queued_from: deque[Request] | None = None  # the waiting deque `queues` was split from
         self.grants: dict[str | None, int] = {}  # this step: tokens each tenant may still take
         self.carry: dict[str | None, float] = {}  # tokens the rounding owes each backlogged tenant (water_fill)
         self.held: set[str | None] = set()  # this step: tenants whose last request ended in the step before
@@ -215,7 +222,7 @@ class FairPolicy(SchedulingPolicy):
         for r in running:
             self.running_count[r.tenant] = self.running_count.get(r.tenant, 0) + 1
             demand[r.tenant] = demand.get(r.tenant, 0) + r.num_tokens - r.num_computed_tokens
-        self.queues = {}
+        self.queues, self.queued_from = {}, waiting
         for r in waiting:
             queue = self.queues.get(r.tenant)
             if queue is None:
@@ -277,6 +284,10 @@ class FairPolicy(SchedulingPolicy):
     def next_waiting(self, waiting: deque[Request], running: Sequence[Request]) -> Request | None:
         if self._free_slots(running) <= 0:
             return None
+        if waiting is not self.queued_from:  # the scheduler's view of its base requests (the interface's contract)
+            self.queues, self.queued_from = {}, waiting
+            for r in waiting:
+                self.queues.setdefault(r.tenant, deque()).append(r)
         best, best_key = None, None
         for tenant, queue in self.queues.items():
             if not queue or self.grants.get(tenant, 0) <= 0:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pagoda.core.adapters import AdapterError
+from pagoda.core.adapters import AdapterError, check_adapter_name
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig, SpeculativeConfig
 from pagoda.core.machine import configure_threads
@@ -117,9 +117,10 @@ class EngineOptions:
         make_policy(self.scheduling_policy, self.scheduling_policies)  # an unknown name is refused now
         names = [name for name, _ in self.lora_modules]
         for name in names:
-            if not isinstance(name, str) or not name or name != name.strip():
-                raise ValueError(f"lora_modules: an adapter's name is a non-empty string without surrounding white"
-                                 f" space, got {name!r}")
+            try:
+                check_adapter_name(name)  # (the served names are the server's: pagoda.api checks them)
+            except AdapterError as exc:
+                raise AdapterError(f"lora_modules: {exc}", exc.field) from None
         if len(set(names)) != len(names):
             twice = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"lora_modules: the adapter name {twice!r} is given twice")

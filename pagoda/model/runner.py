@@ -71,7 +71,7 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import cpu_facts, set_threads
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
-from pagoda.core.adapters import AdapterInfo
+from pagoda.core.adapters import AdapterInfo, PreparedAdapter
 from pagoda.model import cpu_graphs, cuda_graphs, lora
 from pagoda.model.config import ModelConfig
 from pagoda.model.invariance import prove_row_invariance
@@ -175,10 +175,20 @@ class TorchModelRunner:
 
     def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
         """Read, check and hold a LoRA adapter (AdapterError, naming the field, when it is refused)."""
+        return self.install_adapter(self.prepare_adapter(name, path, max_rank))
+
+    def prepare_adapter(self, name: str, path: str, max_rank: int) -> PreparedAdapter:
+        """Read, check and place a LoRA adapter over the model without holding it (AdapterError, naming the field,
+        when it is refused). It reads the model and writes only the adapter's own tensors, so it may run on any
+        thread while steps run."""
         adapter = lora.load_adapter(self.model, name, path, max_rank, batch_invariant=self.batch_invariant,
                                     table=self.lora_table)
-        self.adapters[name] = adapter
-        return adapter.info
+        return PreparedAdapter(adapter.info, max_rank, adapter)
+
+    def install_adapter(self, prepared: PreparedAdapter) -> AdapterInfo:
+        """Hold a prepared adapter: steps may name it from now on (on the engine's thread)."""
+        self.adapters[prepared.info.name] = prepared.weights
+        return prepared.info
 
     def unload_adapter(self, name: str) -> None:
         """Free an adapter no step will name again."""
@@ -301,9 +311,10 @@ class TensorParallelRunner(TorchModelRunner):
         finally:
             self._in_step = False
 
-    def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
-        info = super().load_adapter(name, path, max_rank)  # checked here first: a refused adapter reaches no rank
-        self.ranks.group.broadcast(AdapterChange(name, path, max_rank))
+    def install_adapter(self, prepared: PreparedAdapter) -> AdapterInfo:
+        # prepared (checked) here first: a refused adapter reaches no rank; the others load it from its directory
+        info = super().install_adapter(prepared)
+        self.ranks.group.broadcast(AdapterChange(info.name, info.path, prepared.max_rank))
         return info
 
     def unload_adapter(self, name: str) -> None:

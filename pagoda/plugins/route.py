@@ -51,6 +51,11 @@ class RouteContext:
 
     model: ServedModel
     card: Mapping[str, Any]  # the model's card: every plugin's pagoda_model_card fields, merged
+    # resolve_model(request, name): the one check of a `model` a route is asked about, as the protocols check theirs
+    # (pagoda.api.generation.served_model): (the name to report, the LoRA adapter it names or None for the base
+    # model); a name neither served nor an adapter the caller may name raises a 404 RequestError (model_not_found)
+    # naming what is served. `name` None is the base model.
+    resolve_model: Callable[[Any, str | None], tuple[str, str | None]]
     serving: ServeContext | None = None  # what the protocols' prepare gets (None where no model is loaded)
     # adapters(request): the LoRA adapters the request's caller may name as its model, name -> the adapter's card
     # (the model's fields with its own id, `parent` the served name and `root` its path). Asked per request: they

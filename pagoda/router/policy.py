@@ -63,6 +63,9 @@ class RequestInfo:
     protocol: str | None  # the endpoint's protocol name ("chat", "messages", ...); None for other routes
     body: bytes = b""  # the request body as the client sent it
     prompt: RouteRequest | None = None  # its rendered prompt and cache keys, for a policy that `reads_prompt`
+    # the LoRA adapter its `model` names, when a replica serves one by that name (None: the base model); only
+    # replicas that list it are offered to the policy (Fleet.admit)
+    adapter: str | None = None
 
 
 class Policy(Protocol):

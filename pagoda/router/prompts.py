@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
+import msgspec
 from litestar.connection import ASGIConnection
 from litestar.types import Scope
 
@@ -72,6 +73,26 @@ class PromptReader:
                             self.adapter_of(getattr(decoded, "model", None)))
 
     def adapter_of(self, model: Any) -> str | None:
-        """The adapter a replica runs a request asking for `model` on: that name when the replicas serve an adapter
-        by it; None (the base model) for any other name, or none."""
-        return model if isinstance(model, str) and model in self.adapters() else None
+        """The adapter a replica runs a request asking for `model` on (adapter_named)."""
+        return adapter_named(model, self.adapters())
+
+
+def adapter_named(model: Any, adapters: Collection[str]) -> str | None:
+    """The adapter a replica runs a request asking for `model` on: that name when the replicas serve an adapter by
+    it; None (the base model) for any other name, or none."""
+    return model if isinstance(model, str) and model in adapters else None
+
+
+class _Model(msgspec.Struct):
+    model: Any = None  # every other field of the body is skipped unread
+
+
+def body_adapter(body: bytes, adapters: Collection[str]) -> str | None:
+    """The adapter a generation request's body names as its `model` (adapter_named), read without rendering the
+    prompt, for a policy that reads none; None for a body that is not such a JSON object (the replica answers it)."""
+    if not adapters:
+        return None
+    try:
+        return adapter_named(msgspec.json.decode(body, type=_Model).model, adapters)
+    except (msgspec.DecodeError, RecursionError):
+        return None

@@ -26,6 +26,14 @@ not retried, as the job may have run: a unary request gets a 502 in the protocol
 stream that had begun gets the protocol's in-stream error event after the last whole event, then ends.
 The router does not retry, reorder or rewrite anything else: a replica's own answers (400, 401, 404,
 429, its in-stream errors) pass through as they are.
+
+LoRA adapters. A generation request whose `model` names an adapter goes only to replicas whose /health lists
+it (Fleet.admit). An adapter's load or unload (vLLM's `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+goes to every healthy replica at once (`_fan_out`), so that the fleet serves one set of adapters: 200 (the first
+replica's answer) when every one answered 2xx; otherwise the first failing replica's status and error body, to
+which the router adds which replicas changed (`replicas`: each one's URL, status and whether it `changed`; the
+message says it too), as a replica that succeeded stays changed. The replicas' /health is read again before the
+answer goes out, so the next request for the adapter is routed by what the fan-out did.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -47,7 +56,7 @@ from pagoda.api.tenants import TenantTable
 from pagoda.plugins.protocol import ApiError
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policy import RequestInfo
-from pagoda.router.prompts import PromptReader
+from pagoda.router.prompts import PromptReader, body_adapter
 from pagoda.router.replicas import Fleet, Refused, Replica
 from pagoda.router.routes import PathInfo, RouteTable
 from pagoda.router.settings import RouterSettings
@@ -61,10 +70,26 @@ REQUEST_DROPPED = HOP_BY_HOP | {"host", "content-length", "expect"}  # httpx set
 RESPONSE_DROPPED = HOP_BY_HOP | {"content-length", "date", "server"}  # uvicorn writes its own
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
 REPLICA_HEADER = b"x-pagoda-replica"  # on every forwarded answer: which replica served it
+# vLLM's routes that load and unload a LoRA adapter (pagoda.api.adapters): sent to every healthy replica
+ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class NotTaken(Exception):
     """The replica did not take the request (unreachable, or it answered 503): another one may."""
+
+
+@dataclass(frozen=True)
+class ReplicaAnswer:
+    """One replica's whole answer to a request the router sent to every replica."""
+
+    replica: Replica
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    @property
+    def changed(self) -> bool:
+        return 200 <= self.status < 300
 
 
 class Proxy:
@@ -77,6 +102,7 @@ class Proxy:
         self.table = table
         self.metrics = metrics
         self.max_body_bytes = settings.max_body_bytes
+        self.health_timeout = settings.health_timeout
         self.guard = tenants.guard if tenants.needs_key else None  # the replicas' keys, checked as they check them
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,17 +117,24 @@ class Proxy:
         if body is TOO_LARGE:
             await send_error(send, info, ApiError(413, f"the request body is over {self.max_body_bytes} bytes"))
             return
-        if self.guard is not None and info.guarded:
+        everywhere = scope["method"] == "POST" and path in ADAPTER_ROUTES
+        if self.guard is not None and (info.guarded or everywhere):
             try:
                 self.guard(ASGIConnection(scope), None)  # type: ignore[arg-type]  (pagoda's guard ignores the handler)
             except NotAuthorizedException as exc:
                 await send_error(send, info, http_error(exc))
                 return
+        target = raw_path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+        if everywhere:
+            await self._fan_out(scope, send, info, RequestInfo(scope["method"], path, None, body),
+                                target.decode("latin-1"))
+            return
         prompt = None
         if self.prompts is not None and info.endpoint is not None:  # off the loop: it relays every other stream
             prompt = await asyncio.to_thread(self.prompts.read, info.endpoint, body, scope)
-        request = RequestInfo(scope["method"], path, info.protocol, body, prompt)
-        target = raw_path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+        adapter = prompt.adapter if prompt is not None else (
+            body_adapter(body, self.fleet.adapter_names()) if info.endpoint is not None else None)
+        request = RequestInfo(scope["method"], path, info.protocol, body, prompt, adapter)
         answer = AnswerWatch(send)
         forwarding = self._forward(scope, answer.send, info, request, target.decode("latin-1"))
         started = time.monotonic()
@@ -127,6 +160,49 @@ class Proxy:
                 (self.metrics.queue_full if refused.status == 429 else self.metrics.unavailable).inc()
                 await send_error(send, info, ApiError(refused.status, refused.message, None, refused.code))
                 return
+
+    async def _fan_out(self, scope: Scope, send: Send, info: PathInfo, request: RequestInfo, target: str) -> None:
+        """Send the request to every healthy replica at once, then answer for all of them (the module's note)."""
+        started = time.monotonic()
+        try:
+            with self.fleet.admit_all() as replicas:
+                answers = await asyncio.gather(*(self._ask(r, scope, info, request, target) for r in replicas))
+                await self.fleet.refresh(replicas, self.health_timeout)  # what the fan-out changed, before the answer
+        except Refused as refused:
+            (self.metrics.queue_full if refused.status == 429 else self.metrics.unavailable).inc()
+            await send_error(send, info, ApiError(refused.status, refused.message, None, refused.code))
+            return
+        failed = [a for a in answers if not a.changed]
+        answer = failed[0] if failed else answers[0]
+        body = answer.body if not failed else with_replicas(answer, answers, info)
+        urls = ", ".join(a.replica.url for a in (answers if not failed else [answer]))
+        rewritten = (REPLICA_HEADER, b"content-length") + ((b"content-type",) if failed else ())
+        headers = [*[(k, v) for k, v in answer.headers if k not in rewritten], (REPLICA_HEADER, urls.encode()),
+                   *([(b"content-type", b"application/json")] if failed else []),
+                   (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        access_log.info('"%s %s" %s %.1fms replicas=%s changed=%d', request.method, request.path, answer.status,
+                        1000 * (time.monotonic() - started), len(answers), len(answers) - len(failed))
+
+    async def _ask(self, replica: Replica, scope: Scope, info: PathInfo, request: RequestInfo,
+                   target: str) -> ReplicaAnswer:
+        """One replica's whole answer to the request; a replica that cannot answer is a 502 in the path's shape."""
+        assert replica.client is not None, "the router's start-up opens each replica's client"
+        self.metrics.sent(replica.url)
+        try:
+            response = await replica.client.request(request.method, replica.url + target,
+                                                    headers=forward_headers(scope), content=request.body)
+        except httpx.HTTPError as exc:
+            connect = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            self._failed(replica, "connect" if connect else "broken", "unreachable", exc)
+            error = error_response(info.errors, ApiError(502, f"the replica at {replica.url} did not answer: "
+                                                              f"{type(exc).__name__}"))
+            return ReplicaAnswer(replica, 502, [(b"content-type", b"application/json")],
+                                 msgspec.json.encode(error.content))
+        if response.status_code == 503:
+            self._failed(replica, "unavailable", "unavailable", "it answered 503")
+        return ReplicaAnswer(replica, response.status_code, answer_headers(response, replica), response.content)
 
     async def _exchange(self, replica: Replica, scope: Scope, send: Send, info: PathInfo, request: RequestInfo,
                         target: str) -> None:
@@ -198,6 +274,27 @@ class Proxy:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         replica.mark_down(status, text)
         logger.warning("replica %s: %s (%s)", replica.url, text, kind)
+
+
+def with_replicas(failure: ReplicaAnswer, answers: list[ReplicaAnswer], info: PathInfo) -> bytes:
+    """A failing replica's error body, saying which replicas the request changed: a `replicas` list (URL, status,
+    changed) beside the error, and the same in words after its message. A body that is not a JSON object becomes
+    an error in the path's shape holding its text."""
+    changed = [a.replica.url for a in answers if a.changed]
+    said = (f" (sent to every healthy replica: changed on {', '.join(changed)}; not on the others)" if changed
+            else " (sent to every healthy replica: none changed)")
+    try:
+        body = msgspec.json.decode(failure.body)
+    except msgspec.DecodeError:
+        body = None
+    if not isinstance(body, dict):
+        text = failure.body.decode("utf-8", "replace")[:1000]
+        body = dict(error_response(info.errors, ApiError(failure.status, text)).content)
+    error = body.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        body["error"] = {**error, "message": error["message"] + said}
+    body["replicas"] = [{"url": a.replica.url, "status": a.status, "changed": a.changed} for a in answers]
+    return msgspec.json.encode(body)
 
 
 def count_events(whole_events: bytes, info: PathInfo) -> int:

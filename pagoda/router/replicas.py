@@ -9,6 +9,12 @@ here, through `Fleet.admit`, which is the bounded queue: a context manager that 
 the policy among those healthy and under `max_queue_per_replica`, counts the request there, and
 uncounts it when its `with` block ends, whatever the way out. Choosing and counting happen with no
 await in between, so on the router's one event loop two requests never both take a replica's last slot.
+
+LoRA adapters. A request whose `model` names an adapter some replica's latest /health lists (`lora_adapters`)
+may go only to those replicas: the others would answer it 404 (or, had they an adapter of that name loaded from
+elsewhere, answer it differently). So `admit` offers the policy only them, and refuses (503, 429) when none of
+them may take it now, rather than send it where the adapter is not. `admit_all` is the other way round: an
+adapter's load or unload goes to every healthy replica at once (router/proxy.py).
 """
 
 from __future__ import annotations
@@ -32,15 +38,13 @@ ADAPTERS_FIELD = "lora_adapters"  # a replica's /health: the LoRA adapters it se
 
 
 def adapter_names(health: Mapping[str, Any]) -> frozenset[str]:
-    """The LoRA adapters a replica's /health says it serves: `lora_adapters` as a list of names, of objects with
-    a "name", or an object keyed by name; none when it says nothing (or says it in another shape)."""
+    """The LoRA adapters a replica's /health says requests may name: `lora_adapters`, a list of objects with a
+    "name" (pagoda.api.health), less those being unloaded; none when it says nothing."""
     said = health.get(ADAPTERS_FIELD)
-    if isinstance(said, Mapping):
-        said = list(said)
     if not isinstance(said, list):
         return frozenset()
-    names = (item.get("name") if isinstance(item, Mapping) else item for item in said)
-    return frozenset(n for n in names if isinstance(n, str) and n)
+    return frozenset(item["name"] for item in said if isinstance(item, Mapping) and isinstance(item.get("name"), str)
+                     and item["name"] and not item.get("unloading"))
 
 
 @dataclass
@@ -122,26 +126,51 @@ class Fleet:
     @contextmanager
     def admit(self, request: RequestInfo, exclude: frozenset[int] = frozenset()) -> Iterator[Replica]:
         """`with fleet.admit(request) as replica:` the replica the policy picks, leaving out `exclude` (those this
-        request already tried), with the request counted in flight there until the block ends; Refused if none may."""
+        request already tried) and, for a request naming a LoRA adapter some replica lists, every replica that does
+        not list it, with the request counted in flight there until the block ends; Refused if none may."""
         if self.draining:
             raise Refused(503, "the router is shutting down and takes no new requests; retry", "draining")
+        holders = {r.index for r in self.replicas if request.adapter is not None
+                   and request.adapter in adapter_names(r.health)}
+        left_out = exclude | ({r.index for r in self.replicas} - holders if holders else frozenset())
         states = [r.state() for r in self.replicas]
-        states = [s if s.index not in exclude else ReplicaState(s.index, s.url, False, s.in_flight,
-                                                                s.max_in_flight, s.health) for s in states]
+        states = [s if s.index not in left_out else ReplicaState(s.index, s.url, False, s.in_flight,
+                                                                 s.max_in_flight, s.health) for s in states]
+        which = f"replica serving the LoRA adapter {request.adapter!r}" if holders else "replica"
         if not any(s.healthy for s in states):
-            raise Refused(503, "no replica can serve this request now (none is healthy)", "no_healthy_replica")
+            raise Refused(503, f"no {which} can serve this request now (none is healthy)", "no_healthy_replica")
         if not any(s.available for s in states):
             bound = self.replicas[0].max_in_flight
-            raise Refused(429, f"every healthy replica has {bound} requests in flight; retry later", "queue_full")
+            raise Refused(429, f"every healthy {which} has {bound} requests in flight; retry later", "queue_full")
         index = self.policy.choose(states, request)
         assert states[index].available, f"policy {self.policy.name} chose replica {index}, which is not available"
-        replica = self.replicas[index]
-        replica.in_flight += 1
+        with self._counted([self.replicas[index]]):
+            yield self.replicas[index]
+
+    @contextmanager
+    def admit_all(self) -> Iterator[list[Replica]]:
+        """`with fleet.admit_all() as replicas:` every healthy replica, each counting the request in flight until the
+        block ends, whatever its bound (an adapter's load or unload must reach them all); Refused (503) while draining
+        or when none is healthy."""
+        if self.draining:
+            raise Refused(503, "the router is shutting down and takes no new requests; retry", "draining")
+        healthy = self.healthy
+        if not healthy:
+            raise Refused(503, "no replica can serve this request now (none is healthy)", "no_healthy_replica")
+        with self._counted(healthy):
+            yield healthy
+
+    @contextmanager
+    def _counted(self, replicas: list[Replica]) -> Iterator[None]:
+        """One request in flight on each of `replicas` until the block ends; a drain hears of the last ending."""
+        for replica in replicas:
+            replica.in_flight += 1
         try:
-            yield replica
+            yield
         finally:
-            replica.in_flight -= 1
-            assert replica.in_flight >= 0, (replica.url, replica.in_flight)
+            for replica in replicas:
+                replica.in_flight -= 1
+                assert replica.in_flight >= 0, (replica.url, replica.in_flight)
             if self._idle is not None and self.in_flight == 0:
                 self._idle.set()
 
@@ -158,6 +187,10 @@ class Fleet:
                 await self._poll(replica, http, timeout)
 
         await asyncio.gather(*(poll_one(replica) for replica in self.replicas))
+
+    async def refresh(self, replicas: Sequence[Replica], timeout: float) -> None:
+        """Ask these replicas' /health now, each on its own connection pool (after a change the router made)."""
+        await asyncio.gather(*(self._poll(r, r.client, timeout) for r in replicas if r.client is not None))
 
     @staticmethod
     async def _poll(replica: Replica, http: httpx.AsyncClient, timeout: float) -> None:

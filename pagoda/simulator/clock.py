@@ -47,5 +47,11 @@ class TimedRunner:
     def load_adapter(self, name: str, path: str, max_rank: int):
         return self.runner.load_adapter(name, path, max_rank)
 
+    def prepare_adapter(self, name: str, path: str, max_rank: int):
+        return self.runner.prepare_adapter(name, path, max_rank)
+
+    def install_adapter(self, prepared):
+        return self.runner.install_adapter(prepared)
+
     def unload_adapter(self, name: str) -> None:
         self.runner.unload_adapter(name)

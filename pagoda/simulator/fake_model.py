@@ -14,11 +14,13 @@ so greedy requests get n-gram drafts (core/speculative.py) in the padded rows:
 a draft's row reads the context through the draft itself, so a rejected
 draft's slot that is not rewritten before it is read changes the request.
 
-LoRA adapters. `load_adapter` loads one by name (the path is only recorded; its
-bytes are a number made of its name) and gives it a salt, a hash of its name. A
-row of a chunk whose request names an adapter adds its salt to the context key,
+LoRA adapters. `load_adapter` loads one by name (`prepare_adapter`, then
+`install_adapter`, as the torch runner's; its bytes are a number made of its
+name) and gives it a salt, a hash of its name and path: the same adapter answers
+the same in every run, and a name loaded again from another path answers as other
+weights would. A row of a chunk whose request names an adapter adds its salt to the context key,
 so each adapter answers unlike the base and unlike every other (but for a clash
-of two names' hashes: about 1 in 65,000 at 256 table rows); each slot also keeps the salt it was written under,
+of two hashes: about 1 in 65,000 at 256 table rows); each slot also keeps the salt it was written under,
 and a row that reads a slot another adapter wrote (KV computed under the wrong
 weights: a prefix shared across adapters) reads it into its key. A row computed
 with another adapter's deltas, or on another adapter's KV, so changes its
@@ -39,7 +41,7 @@ from functools import lru_cache
 
 import torch
 
-from pagoda.core.adapters import AdapterError, AdapterInfo
+from pagoda.core.adapters import AdapterError, AdapterInfo, PreparedAdapter
 from pagoda.core.batch import SchedulerOutput
 from pagoda.core.batch import RunnerOutput
 
@@ -72,18 +74,28 @@ class FakeModelRunner:
 
     # -- LoRA adapters -----------------------------------------------------
     def load_adapter(self, name: str, path: str, max_rank: int) -> AdapterInfo:
-        """Load a fake adapter: its salts are hashes of its name, so its answers are the same in every run."""
-        if name in self.adapters:
-            raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
-        rows = self.num_table_rows
-        key_salt = 1 + zlib.crc32(name.encode()) % max(rows - 1, 1)  # never 0 mod rows: never the base's key
-        self.adapters[name] = (key_salt, zlib.crc32(f"{name}#last".encode()) % rows)
-        if self.tags is None:
-            self.tags = [0] * len(self.cache)
+        """Load a fake adapter: its salts are hashes of its name and path, so its answers are the same in every run."""
+        return self.install_adapter(self.prepare_adapter(name, path, max_rank))
+
+    def prepare_adapter(self, name: str, path: str, max_rank: int) -> PreparedAdapter:
+        """A fake adapter's salts and info (touches nothing of the runner's: any thread may call it)."""
+        rows, made = self.num_table_rows, f"{name}\0{path}".encode()
+        key_salt = 1 + zlib.crc32(made) % max(rows - 1, 1)  # never 0 mod rows: never the base's key
+        salts = (key_salt, zlib.crc32(made + b"#last") % rows)
         rank = min(ADAPTER_RANK, max_rank)
         info = AdapterInfo(name, str(path), rank, (1 + zlib.crc32(name.encode()) % 7) * rank * 4096, ADAPTER_TARGETS)
-        self.infos[name] = info
-        return info
+        return PreparedAdapter(info, max_rank, salts)
+
+    def install_adapter(self, prepared: PreparedAdapter) -> AdapterInfo:
+        """Serve a prepared fake adapter: chunks may name it from now on."""
+        name = prepared.info.name
+        if name in self.adapters:
+            raise AdapterError(f"LoRA adapter {name!r} is already loaded", "lora_name")
+        self.adapters[name] = prepared.weights
+        if self.tags is None:
+            self.tags = [0] * len(self.cache)
+        self.infos[name] = prepared.info
+        return prepared.info
 
     def unload_adapter(self, name: str) -> None:
         del self.adapters[name]

@@ -1,6 +1,8 @@
 """LoRA adapters served as models: chosen by name on every protocol (the official SDKs), listed by /v1/models with
-their parent, loaded and unloaded live through vLLM's routes (an unload waits for the adapter's requests in flight),
-malformed adapters refused with a 400 naming the field, tenants limited to some adapters, /health and /metrics.
+their parent, loaded and unloaded live through vLLM's routes (an unload waits for the adapter's requests in flight,
+/health saying so; a name reloaded from another directory answers as that adapter), malformed adapters refused with
+a 400 naming the field (a path that does not exist: 404), tenants limited to some adapters, only keys that may
+manage adapters loading them, /health (which names no path) and /metrics.
 
 One live server on the tiny model serves the whole module (keys, --enable-lora-loading, two start-up adapters);
 the adapters are made by the peft library over a transformers Llama of the tiny model's shapes.
@@ -27,7 +29,8 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 NAME = "tiny-base"
-KEYS = {"full": "key-full-3b9d", "limited": "key-limited-8e21"}
+KEYS = {"full": "key-full-3b9d", "limited": "key-limited-8e21", "user": "key-user-51c0"}
+B_PARENT = "org/b-base"  # vLLM's base_model_name given for b (--lora-modules' JSON form): its card's parent
 MESSAGES = [{"role": "user", "content": "Tell me about the pagoda on the hill."}]
 PROMPT = "Once upon a time, in a pagoda"
 MAX_TOKENS = 12
@@ -87,9 +90,10 @@ def _rewrite_tensors(directory: Path, rename=lambda key: key, nan_key: str | Non
 def server(tiny_model_dir, adapters, tmp_path_factory):  # noqa: F811
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps({"tenants": [
-        {"name": "full", "key_sha256": sha(KEYS["full"])},
-        {"name": "limited", "key_sha256": sha(KEYS["limited"]), "adapters": ["a"]}]}))
-    settings = ServeSettings(api_keys_file=str(keys), enable_lora_loading=True)
+        {"name": "full", "key_sha256": sha(KEYS["full"]), "manage_adapters": True},
+        {"name": "limited", "key_sha256": sha(KEYS["limited"]), "adapters": ["a"]},
+        {"name": "user", "key_sha256": sha(KEYS["user"])}]}))
+    settings = ServeSettings(api_keys_file=str(keys), enable_lora_loading=True, lora_parents=(("b", B_PARENT),))
     live = start_server(tiny_model_dir, NAME, settings=settings, refuse_unknown_models=True,
                         lora_modules=(("a", str(adapters["a"])), ("b", str(adapters["b"]))), max_loras=2,
                         **TINY_ENGINE)
@@ -156,10 +160,10 @@ def test_an_adapter_on_the_ollama_plugins_routes(server):
 def test_models_lists_each_adapter_with_its_parent(server, adapters):
     listed = {m.id: m for m in server.openai().models.list().data}
     assert list(listed)[0] == NAME and sorted(listed) == sorted([NAME, "a", "b"])
-    for name in ("a", "b"):
+    for name, parent in (("a", NAME), ("b", B_PARENT)):  # the served name, or the base_model_name it was given
         card = listed[name].model_dump()
-        assert card["parent"] == NAME and card["root"] == str(adapters[name]) and card["object"] == "model"
-        assert server.openai().models.retrieve(name).model_dump()["parent"] == NAME
+        assert card["parent"] == parent and card["root"] == str(adapters[name]) and card["object"] == "model"
+        assert server.openai().models.retrieve(name).model_dump()["parent"] == parent
     assert "parent" not in listed[NAME].model_dump()
     assert sorted(m.id for m in server.anthropic().models.list().data) == sorted([NAME, "a", "b"])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -185,10 +189,15 @@ def test_an_unknown_model_is_404_on_every_protocol_naming_the_adapters(server):
         assert http.post("/tokenize", json={"model": "b", "prompt": "x"}, headers=headers).status_code == 200
 
 
-def test_health_and_metrics_count_the_adapters_memory(server, adapters):
-    health = server.health()
+def test_health_and_metrics_count_the_adapters_memory_and_health_says_no_path(server, adapters):
+    with server.http() as http:
+        r = http.get("/health")  # open: no key asked
+    health = r.json()
     listed = {a["name"]: a for a in health["lora_adapters"]}
-    assert set(listed) == {"a", "b"} and listed["a"]["path"] == str(adapters["a"]) and listed["a"]["rank"] == 8
+    assert set(listed) == {"a", "b"} and listed["a"]["rank"] == 8
+    assert set(listed["a"]) == {"name", "rank", "bytes", "target_modules", "unloading"}
+    assert listed["a"]["unloading"] is False
+    assert str(adapters["a"].parent) not in r.text  # where the adapters live is not told
     assert health["lora_adapters_loaded"] == 2 and health["lora_adapter_bytes"] == sum(
         a["bytes"] for a in listed.values()) > 0
     metrics = metric_values(server.url)
@@ -208,14 +217,27 @@ def test_a_tenant_limited_to_one_adapter_does_not_see_the_other(server, adapters
         limited.models.retrieve("b")
     with pytest.raises(anthropic.NotFoundError):
         server.anthropic(api_key=KEYS["limited"]).messages.create(model="b", messages=MESSAGES, max_tokens=2)
-    with server.http() as http:  # nor may it unload it, or load another
-        limited_key = {"authorization": f"Bearer {KEYS['limited']}"}
-        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=limited_key)
-        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
-        r = http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["b"])},
-                      headers=limited_key)
-        assert r.status_code == 403 and r.json()["error"]["param"] == "lora_name"
-    assert "b" in server.async_engine.adapters
+    with server.http() as http:  # nor may it tokenize for it
+        r = http.post("/tokenize", json={"model": "b", "prompt": "x"},
+                      headers={"authorization": f"Bearer {KEYS['limited']}"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("tenant", ["limited", "user"])
+def test_only_a_key_that_may_manage_adapters_loads_or_unloads_them(server, adapters, tenant):
+    """A keys-file tenant not marked manage_adapters gets 403 naming lora_name on both routes, limited to some
+    adapters or not, for an adapter it may use too: another tenant's adapter is not its to change."""
+    with server.http() as http:
+        key = {"authorization": f"Bearer {KEYS[tenant]}"}
+        for path, body in (("/v1/unload_lora_adapter", {"lora_name": "a"}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "b"}),
+                           ("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["b"])}),
+                           ("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/no/such/dir"})):
+            r = http.post(path, json=body, headers=key)
+            assert r.status_code == 403, (path, body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "lora_name" and error["code"] == "permission_denied", error
+    assert set(server.async_engine.adapters) == {"a", "b"}
 
 
 def test_the_keys_file_may_limit_a_tenant_to_some_adapters_and_is_strict_about_it():
@@ -233,6 +255,7 @@ def test_the_keys_file_may_limit_a_tenant_to_some_adapters_and_is_strict_about_i
     for bad in ("a", [1], [""], {"a": 1}):
         with pytest.raises(KeysFileError, match=r"tenants\[0\]\.adapters"):
             tenant(adapters=bad)
+    assert tenant(manage_adapters=True).manage_adapters and not tenant(adapters=["a"]).manage_adapters
 
 
 def test_the_loading_routes_need_a_key(server, adapters):
@@ -259,7 +282,7 @@ def test_the_loading_routes_are_not_served_without_the_flag(tiny_server, adapter
 
 
 MALFORMED = [  # (adapter, the field the 400 names)
-    ("missing", "lora_path"),
+    ("not_a_directory", "lora_path"),
     ("high_rank", "r"),
     ("other_shape", "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"),  # 128 outputs, not 64
     ("unknown_module", "target_modules"),
@@ -270,9 +293,14 @@ MALFORMED = [  # (adapter, the field the 400 names)
 
 
 def test_malformed_adapters_are_refused_naming_the_field(server, adapters, tmp_path):
-    paths = {**adapters, "missing": tmp_path / "nothing-here"}
+    (tmp_path / "a-file").write_text("not an adapter")
+    paths = {**adapters, "not_a_directory": tmp_path / "a-file"}
     with server.http() as http:
         headers = {"authorization": f"Bearer {KEYS['full']}"}
+        # a path that does not exist: 404, as vLLM answers it (NotFoundError)
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "m", "lora_path": str(tmp_path / "nothing-here")},
+                      headers=headers)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path", r.text
         for kind, field in MALFORMED:
             r = http.post("/v1/load_lora_adapter", json={"lora_name": kind, "lora_path": str(paths[kind])},
                           headers=headers)
@@ -283,6 +311,7 @@ def test_malformed_adapters_are_refused_naming_the_field(server, adapters, tmp_p
         for body, field in [({"lora_name": NAME, "lora_path": str(adapters["a"])}, "lora_name"),
                             ({"lora_name": "a", "lora_path": str(adapters["b"])}, "lora_name"),
                             ({"lora_name": "", "lora_path": str(adapters["a"])}, "lora_name"),
+                            ({"lora_name": " c", "lora_path": str(adapters["a"])}, "lora_name"),
                             ({"lora_name": "c"}, "lora_path"),
                             ({"lora_name": 7, "lora_path": str(adapters["a"])}, "lora_name")]:
             r = http.post("/v1/load_lora_adapter", json=body, headers=headers)
@@ -354,6 +383,12 @@ def test_unloading_while_requests_run_waits_for_them_then_a_reload_serves_the_sa
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=2)
         assert "a" not in [m.id for m in client.models.list().data]
+        # /health still counts its memory, and says it is being unloaded
+        wait_for(lambda: server.health()["lora_adapters_in_use"] == 1, "a stats turn after the unload began")
+        health = server.health()
+        assert {a["name"]: a["unloading"] for a in health["lora_adapters"]} == {"a": True, "b": False}
+        assert health["lora_adapters_loaded"] == 2
+        assert health["lora_adapter_bytes"] == sum(a["bytes"] for a in health["lora_adapters"])
         unloader.join(120)
         for t in threads:
             t.join(120)
@@ -371,4 +406,29 @@ def test_unloading_while_requests_run_waits_for_them_then_a_reload_serves_the_sa
                    headers={"authorization": f"Bearer {KEYS['full']}"}, timeout=120)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a' added successfully."
     assert client.chat.completions.create(model="a", messages=MESSAGES, **long).choices[0].message.content == expected
+    server.assert_pool_whole()
+
+
+def test_a_name_reloaded_from_another_adapters_directory_answers_as_that_adapter(server, adapters):
+    """Unload a, load a from b's directory: every protocol's answers under a are b's, its card's root b's directory,
+    and none of the blocks cached under the first a serves it (the same prompts, asked again)."""
+    client, headers = server.openai(), {"authorization": f"Bearer {KEYS['full']}"}
+    asks = [(chat, client), (complete, client), (message, server.anthropic())]
+    before = {ask.__name__: ask(c, "a")[0] for ask, c in asks}  # cached under a's first load
+    as_b = {ask.__name__: ask(c, "b")[0] for ask, c in asks}
+    assert before != as_b
+
+    def reload(path: Path) -> None:
+        with server.http() as http:
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=headers).status_code == 200
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(path)}, headers=headers)
+            assert r.status_code == 200, r.text
+
+    reload(adapters["b"])
+    try:
+        assert {ask.__name__: ask(c, "a")[0] for ask, c in asks} == as_b
+        assert client.models.retrieve("a").model_dump()["root"] == str(adapters["b"])
+    finally:
+        reload(adapters["a"])  # as the module's other tests expect it
+    assert {ask.__name__: ask(c, "a")[0] for ask, c in asks} == before
     server.assert_pool_whole()

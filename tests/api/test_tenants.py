@@ -68,6 +68,11 @@ def test_a_toml_file_reads_the_same(tmp_path):
     (keys_json({"name": "a", "key_sha256": sha("a"), "requests_per_minute": 1.5}), ".json",
      "tenants[0].requests_per_minute"),
     (keys_json({"name": "a", "key_sha256": sha("a"), "priority": True}), ".json", "tenants[0].priority"),
+    (keys_json({"name": "a", "key_sha256": sha("a"), "manage_adapters": "yes"}), ".json",
+     "tenants[0].manage_adapters: true or false"),
+    (keys_json({"name": "a", "key_sha256": sha("a"), "manage_adapters": 1}), ".json", "tenants[0].manage_adapters"),
+    (keys_json({"name": "a", "key_sha256": sha("a"), "manage_adapters": None}), ".json",
+     "tenants[0].manage_adapters"),
     (keys_json({"name": "a b", "key_sha256": sha("a")}), ".json", "tenants[0].name"),
     (keys_json({"name": "a", "key_sha256": sha("a")}, {"name": "a", "key_sha256": sha("b")}), ".json",
      "tenants[1].name: 'a' is also tenants[0]'s"),
@@ -80,6 +85,17 @@ def test_a_malformed_file_is_refused_naming_where(text, suffix, says):
     with pytest.raises(KeysFileError) as info:
         parse_keys(text, suffix, "keys.x")
     assert says in str(info.value) and str(info.value).startswith("keys.x")
+
+
+def test_only_a_tenant_marked_so_may_manage_adapters_besides_the_single_key_and_a_server_without_keys(tmp_path):
+    """Loading or unloading a LoRA adapter changes what every tenant is served: false unless the file says true."""
+    plain, manager = parse_keys(keys_json({"name": "a", "key_sha256": sha("a")},
+                                          {"name": "b", "key_sha256": sha("b"), "manage_adapters": True}), ".json")
+    assert (plain.manage_adapters, manager.manage_adapters) == (False, True)
+    path = tmp_path / "keys.toml"
+    path.write_text(f'[[tenants]]\nname = "a"\nkey_sha256 = "{sha("a")}"\nmanage_adapters = true\n')
+    assert read_keys_file(path)[0].manage_adapters is True
+    assert single_key_tenant("sekret").manage_adapters and OPEN.manage_adapters
 
 
 def test_a_missing_file_is_a_keys_file_error(tmp_path):

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from pagoda.cli.main import main
-from pagoda.cli.serve import lora_modules
+from pagoda.cli.main import build_parser
+from pagoda.cli.serve import lora_modules, lora_parents, serve_settings
 from pagoda.core.sampling_params import SamplingParams
 from tests.lora_files import save_random_adapter
 from tests.server_fixtures import default_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
@@ -36,11 +37,22 @@ def refusal(capsys) -> str:
 
 def test_the_modules_are_name_path_pairs_or_vllms_json():
     assert lora_modules(["a=/x/a", "b=rel/b=c"]) == (("a", "/x/a"), ("b", "rel/b=c"))
-    assert lora_modules(['{"name": "s", "path": "/x/s", "base_model_name": "m"}']) == (("s", "/x/s"),)
+    given = ["a=/x/a", '{"name": "s", "path": "/x/s", "base_model_name": "org/m"}', '{"name": "t", "path": "/x/t"}']
+    assert lora_modules(given) == (("a", "/x/a"), ("s", "/x/s"), ("t", "/x/t"))
+    assert lora_parents(given) == (("s", "org/m"),)  # vLLM's base_model_name: the parent s's card names
     for bad, why in [("a", "NAME=PATH"), ("=/x", "both"), ("a=", "both"), ('{"name": "s"}', '"path"'),
-                     ('{"name": "s", "path": "/x", "rank": 8}', "'rank'"), ("{oops", "not JSON")]:
+                     ('{"name": "s", "path": "/x", "rank": 8}', "'rank'"), ("{oops", "not JSON"),
+                     ('{"name": "s", "path": "/x", "base_model_name": ""}', "base_model_name"),
+                     ('{"name": "s", "path": "/x", "base_model_name": 3}', "base_model_name")]:
         with pytest.raises(ValueError, match=why):
             lora_modules([bad])
+
+
+def test_vllms_enable_lora_is_accepted_and_turns_no_route_on(tmp_path):
+    """Once an abbreviation of --enable-lora-loading; now a flag of its own that changes nothing."""
+    args = build_parser(["serve"]).parse_args(["serve", "--enable-lora"])
+    assert args.enable_lora and not args.enable_lora_loading
+    assert serve_settings(args, tmp_path, {}).enable_lora_loading is False
 
 
 def test_a_missing_directory_ends_start_up_with_one_line_before_the_model_loads(tmp_path):
@@ -60,6 +72,8 @@ def test_an_adapter_named_as_the_served_model_or_twice_is_refused(tmp_path, caps
     assert "'alias'" in (line := refusal(capsys)) and "[field: lora_name]" in line
     assert main([*argv, "--lora-modules", f"x={tmp_path}", f"x={tmp_path}"]) == 2
     assert "'x' is given twice" in refusal(capsys)
+    assert main([*argv, "--lora-modules", f" x={tmp_path}"]) == 2  # a name with white space around it
+    assert "lora_name ' x'" in refusal(capsys)
 
 
 def test_an_adapter_the_engine_refuses_ends_start_up_naming_it_and_the_field(tiny_model_dir, tmp_path, capsys):  # noqa: F811

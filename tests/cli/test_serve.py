@@ -5,6 +5,7 @@ stand-in stops the load there, so no model is loaded). An option without a row h
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ class Built:
     config: EngineConfig
     data_parallel: DataParallelOptions
     model_dir: Path
+    args: argparse.Namespace
+
+    def same_as_without(self, option: str) -> bool:
+        """Whether the engine options and the server's settings are what the command line makes without `option`."""
+        argv = [a for a in self.args.command_line if a != option]
+        without = build(argv, self.model_dir)
+        return (without.options, without.settings, without.config) == (self.options, self.settings, self.config)
 
     def resolved_model(self) -> str:
         """The model `build_engine` (what `pagoda serve` calls) asks the hub to resolve."""
@@ -82,10 +90,11 @@ def write_tiny_config(model_dir: Path) -> None:
 
 def build(argv: list[str], model_dir: Path, environ: dict[str, str] | None = None) -> Built:
     args = build_parser().parse_args(["serve", *argv])
+    args.command_line = argv
     options = engine_options(args)
     config = engine_config(options, TINY, torch.float32, torch.device("cpu"))
     return Built(options, serve_settings(args, model_dir, environ or {}), config, data_parallel_options(args),
-                 model_dir)
+                 model_dir, args)
 
 
 # option -> (its arguments, what must hold where the value is used: the engine config the engine reads, the
@@ -144,14 +153,19 @@ ROWS: dict[str, tuple[list[str], Callable[[Built], Any]]] = {
     "--router-policy": (["--router-policy", "least_load"], lambda b: b.data_parallel.router_policy == "least_load"),
     "--disable-plugin": (["--disable-plugin", "tokenize", "chat_page"],
                          lambda b: b.settings.disabled_plugins == ("tokenize", "chat_page")),
-    # `load_engine` loads each (name, path) through Engine.load_adapter once the engine is built
-    "--lora-modules": (["--lora-modules", "a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'],
+    # `load_engine` loads each (name, path) through Engine.load_adapter once the engine is built; vLLM's
+    # base_model_name is the parent the server's card of the adapter names
+    "--lora-modules": (["--lora-modules", "a=/adapters/a",
+                        '{"name": "b", "path": "/adapters/b", "base_model_name": "org/base"}'],
                        lambda b: b.options.lora_modules == (("a", "/adapters/a"), ("b", "/adapters/b"))
-                       and b.config.enable_lora),
+                       and b.config.enable_lora and b.settings.lora_parents == (("b", "org/base"),)),
     "--max-loras": (["--max-loras", "3"], lambda b: b.config.max_loras == 3),
     "--max-lora-rank": (["--max-lora-rank", "64"], lambda b: b.config.max_lora_rank == 64),
     "--enable-lora-loading": (["--enable-lora-loading"],
                               lambda b: b.settings.enable_lora_loading is True and b.config.enable_lora),
+    # vLLM's spelling, accepted and changing nothing (never taken for --enable-lora-loading: no abbreviations)
+    "--enable-lora": (["--enable-lora"], lambda b: b.args.enable_lora and b.same_as_without("--enable-lora")
+                      and not b.settings.enable_lora_loading and not b.config.enable_lora),
 }
 
 
@@ -174,6 +188,15 @@ def test_the_option_lands_where_it_belongs(option, tmp_path):
     default = build([], tmp_path)
     assert not holds(default), f"{option}: the row's check already holds without the option"  # the row can fail
     assert holds(build(argv, tmp_path)), f"{option} {argv} did not reach what it configures"
+
+
+def test_serve_takes_no_abbreviation_of_an_option(tmp_path, capsys):
+    """An abbreviation would let another server's flag pass for a prefix of one of pagoda's (vLLM's --enable-lora
+    for --enable-lora-loading, before it was a flag of its own)."""
+    for argv in (["--enable-lora-load"], ["--max-lora-r", "8"], ["--served-model", "m"]):
+        with pytest.raises(SystemExit):
+            build(argv, tmp_path)
+        assert "unrecognized arguments" in capsys.readouterr().err
 
 
 def test_the_defaults_are_the_engine_configs_and_the_settings(tmp_path):

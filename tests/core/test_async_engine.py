@@ -1,4 +1,5 @@
-"""AsyncEngine: the loop thread, the abort in generate's finally, and questions asked of the loop."""
+"""AsyncEngine: the loop thread, the abort in generate's finally, questions asked of the loop, and LoRA adapters' loads
+and unloads."""
 
 import asyncio
 import contextlib
@@ -8,6 +9,7 @@ import threading
 import pytest
 
 from pagoda.core.async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestAborted
+from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.core.scheduler import AdmissionError
 from pagoda.core.scheduling import SchedulingPolicy
@@ -410,3 +412,153 @@ def test_a_wait_with_no_arrival_ends_by_itself(make_engine):
     outs = run(collect(async_engine, [1, 2], SamplingParams(max_tokens=5, temperature=0)))
     assert outs[-1].finished and outs[-1].num_output_tokens == 5
     assert policy.times <= 1000 - 4  # it waited before the steps after the first
+
+
+# -- LoRA adapters: loads off the loop, unloads whose callers leave or whose loop ends ----------------
+
+class AdapterGate(GatedRunner):
+    """The gated fake model with its LoRA methods; a load's preparation may be held on `prepare_gate`, and an
+    unload may fail after it is done (a tensor-parallel group's broadcast failing)."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.prepare_gate: threading.Event | None = None
+        self.preparing = threading.Event()
+        self.unload_error: BaseException | None = None
+
+    def prepare_adapter(self, name, path, max_rank):
+        self.preparing.set()
+        if self.prepare_gate is not None:
+            assert self.prepare_gate.wait(30), "the test never let the load go on"
+        return self.runner.prepare_adapter(name, path, max_rank)
+
+    def install_adapter(self, prepared):
+        return self.runner.install_adapter(prepared)
+
+    def load_adapter(self, name, path, max_rank):
+        return self.install_adapter(self.prepare_adapter(name, path, max_rank))
+
+    def unload_adapter(self, name):
+        self.runner.unload_adapter(name)
+        if self.unload_error is not None:
+            raise self.unload_error
+
+
+@pytest.fixture
+def adapter_engine(make_engine):
+    """A started AsyncEngine over the gated fake model, with adapter "x" loaded (through the async load)."""
+    gated = {}
+    async_engine = make_engine(wrap=lambda r: gated.setdefault("runner", AdapterGate(r)))
+    run(async_engine.load_adapter("x", "/adapters/x"))
+    return async_engine, gated["runner"]
+
+
+async def unload_pending(async_engine, runner):
+    """A request of "x" past its first step, and an unload of "x" waiting for it (the loop parked in a step)."""
+    gen = async_engine.generate([1, 2, 3], SamplingParams(max_tokens=50, temperature=0), adapter="x")
+    runner.allowed.release()
+    await gen.__anext__()
+    unload = asyncio.ensure_future(async_engine.unload_adapter("x"))
+    for _ in range(20):  # bounded: the loop takes the unload between the first two steps after it is asked
+        if "x" not in async_engine.adapters:
+            break
+        steps = runner.steps
+        runner.allowed.release()
+        await await_condition(lambda: runner.steps > steps or "x" not in async_engine.adapters, "a step")
+    assert "x" not in async_engine.adapters  # the unload has begun; the request is far from its 50 tokens
+    return gen, unload
+
+
+@pytest.mark.parametrize("ending", ["abort", "finish"])
+def test_an_unload_whose_caller_leaves_goes_on_and_the_loop_keeps_serving(adapter_engine, ending):
+    async_engine, runner = adapter_engine
+
+    async def main():
+        gen, unload = await unload_pending(async_engine, runner)
+        unload.cancel()  # the caller leaves (an HTTP client gone): its wait ends, not the unload
+        with pytest.raises(asyncio.CancelledError):
+            await unload
+        runner.open()
+        if ending == "abort":  # the adapter's last request ends by its caller leaving too
+            await gen.aclose()
+        else:
+            outs = [out async for out in gen]
+            assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == 50
+        stats = await assert_pool_whole(async_engine)
+        assert (stats["lora_adapters_loaded"], stats["lora_adapters_in_use"]) == (0, 0)  # unloaded all the same
+        return await collect(async_engine, [1, 2])
+
+    assert run(main())[-1].finished and async_engine.is_running  # the loop serves on
+    assert "x" not in async_engine.engine.runner.runner.adapters
+
+
+def test_a_pending_unload_fails_when_the_loop_crashes(adapter_engine):
+    async_engine, runner = adapter_engine
+
+    def broken_step():
+        raise AssertionError("scheduler invariant broken")
+
+    async def main():
+        gen, unload = await unload_pending(async_engine, runner)
+        async_engine.engine.step = broken_step  # the loop's next step
+        runner.open()
+        with pytest.raises(EngineDeadError, match="invariant"):
+            await asyncio.wait_for(unload, 30)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+
+    run(main())
+    assert not async_engine.is_running
+
+
+@pytest.mark.parametrize("unload_fails", [False, True])
+def test_a_pending_unload_is_answered_when_the_loop_stops(adapter_engine, unload_fails):
+    """Stopping aborts the adapter's requests, so the unload happens and its wait ends: with the adapter, or with
+    the runner's error when its unload fails (never a wait that does not end)."""
+    async_engine, runner = adapter_engine
+
+    async def main():
+        gen, unload = await unload_pending(async_engine, runner)
+        if unload_fails:
+            runner.unload_error = RuntimeError("the group's broadcast failed")
+        async_engine.stop(timeout=0)  # ask first (the loop may be parked inside a step), then let steps run
+        runner.open()
+        await asyncio.to_thread(async_engine.stop)
+        if unload_fails:
+            with pytest.raises(RuntimeError, match="broadcast"):
+                await asyncio.wait_for(unload, 30)
+        else:
+            assert (await asyncio.wait_for(unload, 30)).name == "x"
+        with pytest.raises((RequestAborted, EngineDeadError)):
+            async for _ in gen:
+                pass
+
+    run(main())
+    assert not async_engine.is_running and async_engine.failure is None  # stopped, not crashed
+    assert async_engine.engine.adapters.loaded == {} and async_engine.engine.adapters.unloading == {}
+
+
+def test_a_load_reads_its_adapter_off_the_loop_while_streams_run(adapter_engine):
+    async_engine, runner = adapter_engine
+    runner.open()
+    runner.prepare_gate = threading.Event()
+
+    async def main():
+        load = asyncio.ensure_future(async_engine.load_adapter("y", "/adapters/y"))
+        assert await asyncio.to_thread(runner.preparing.wait, 30), "the load never started"
+        # the load is held in its reading: requests are served meanwhile, on the base and on a loaded adapter
+        base = await asyncio.wait_for(collect(async_engine, [1, 2]), 30)
+        adapted = await asyncio.wait_for(_collect_adapter(async_engine, "x"), 30)
+        assert base[-1].finished and adapted[-1].finished and not load.done()
+        assert "y" not in async_engine.adapters
+        runner.prepare_gate.set()
+        info = await asyncio.wait_for(load, 30)
+        assert info.name == "y" and "y" in async_engine.adapters
+        return await _collect_adapter(async_engine, "y")
+
+    assert run(main())[-1].finished
+
+
+async def _collect_adapter(async_engine, adapter: str) -> list:
+    return [out async for out in async_engine.generate([1, 2], GREEDY, adapter=adapter)]

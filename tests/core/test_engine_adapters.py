@@ -1,16 +1,22 @@
-"""The engine's LoRA adapters, on the simulator's fake model: the adapter is part of the prefix cache's key, an
-unload waits for the adapter's last request, and loads and requests naming adapters are checked."""
+"""The engine's LoRA adapters, on the simulator's fake model: the adapter (its load) is part of the prefix cache's
+key, an unload waits for the adapter's last request however it ends and answers the runner's failure to its own
+waiters, and loads (prepared apart, installed on the engine's thread) and requests naming adapters are checked."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
-from pagoda.core.adapters import AdapterError, AdapterInfo, UnknownAdapter
+from pagoda.core.adapters import AdapterError, AdapterInfo, AdapterTable, UnknownAdapter
+from pagoda.core.batch import RunnerLost
+from pagoda.core.constraint import Constraint
 from pagoda.core.engine import Engine
 from pagoda.core.engine_config import EngineConfig
 from pagoda.core.request import FinishReason
 from pagoda.core.sampling_params import SamplingParams
 from pagoda.simulator.fake_model import EOS_TOKEN_ID, FakeModelRunner
+from tests.core.test_grammar import tiny_tokenizer
 from tests.helpers import drain, tokens
 
 PROMPT = list(range(1, 13))  # three 4-token blocks
@@ -23,17 +29,20 @@ class SpyRunner(FakeModelRunner):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.unloaded: list[str] = []
+        self.unload_error: BaseException | None = None  # raised after the unload (a group's broadcast failing)
 
     def unload_adapter(self, name: str) -> None:
         self.unloaded.append(name)
         super().unload_adapter(name)
+        if self.unload_error is not None:
+            raise self.unload_error
 
 
-def engine_with(*adapters: str, num_blocks: int = 32) -> Engine:
+def engine_with(*adapters: str, num_blocks: int = 32, tokenizer=None) -> Engine:
     config = EngineConfig(num_blocks=num_blocks, block_size=4, max_running=4, max_batched_tokens=64,
                           max_model_len=128, max_loras=2)
     runner = SpyRunner(num_blocks, 4, vocab_size=64, eos_bias=-50.0)  # EOS never wins
-    engine = Engine(runner, config, eos_token_ids=(EOS_TOKEN_ID,))
+    engine = Engine(runner, config, eos_token_ids=(EOS_TOKEN_ID,), tokenizer=tokenizer)
     for name in adapters:
         engine.load_adapter(name, f"/adapters/{name}")
     return engine
@@ -128,3 +137,116 @@ def test_a_request_naming_an_adapter_not_loaded_is_refused():
     assert caught.value.field == "model"
     assert not engine.has_unfinished() and engine.stats()["requests_total"] == 0
     engine.audit()
+
+
+def test_a_name_unloaded_and_loaded_again_from_elsewhere_answers_as_the_new_adapter_with_no_cache_hit():
+    engine = engine_with("x")
+    first = run_one(engine, "first", "x")
+    again = run_one(engine, "again", "x")
+    assert again[-1].num_cached_tokens == 8 and tokens(again) == tokens(first)  # the same load: its blocks serve
+    assert engine.unload_adapter("x").done()
+    assert engine.load_adapter("x", "/retrained/x").path == "/retrained/x"
+    reloaded = run_one(engine, "reloaded", "x")
+    # the blocks the first load computed are still cached, under its key: the new load's requests never hit them
+    assert reloaded[-1].num_cached_tokens == 0
+    fresh = engine_with()
+    fresh.load_adapter("x", "/retrained/x")
+    assert tokens(reloaded) == tokens(run_one(fresh, "fresh", "x")) != tokens(first)
+    engine.add_request("keyed", PROMPT, GREEDY, adapter="x")
+    assert (engine.requests["keyed"].adapter, engine.requests["keyed"].adapter_key) == ("x", "x#2")
+    assert drain(engine)["keyed"][-1].num_cached_tokens == 8  # the new load's own blocks serve it
+    engine.audit()
+
+
+def test_cache_keys_are_the_name_first_and_never_given_twice():
+    table = AdapterTable()
+
+    def load(name: str) -> str:
+        table.add(AdapterInfo(name, f"/{name}", 8, 1))
+        return table.keys[name]
+
+    def unload(name: str) -> None:
+        future, now = table.begin_unload(name)
+        assert now
+        table.remove(name)
+        assert future.result().name == name
+
+    assert load("x#2") == "x#2" and load("x") == "x"  # first loads: the name, as the router hashes it
+    unload("x")
+    assert load("x") == "x#3"  # "x#2" is another adapter's
+    unload("x")
+    unload("x#2")
+    assert load("x") == "x#4" and load("x#2") == "x#2#2"
+    assert len(table.issued) == 5
+
+
+def test_an_unload_that_fails_in_the_runner_answers_its_waiters_and_fails_no_request():
+    engine = engine_with("x", "y")
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=3, temperature=0), adapter="x")
+    engine.step()
+    future = engine.unload_adapter("x")
+    engine.runner.unload_error = RuntimeError("the group's broadcast failed")
+    outs = drain(engine)
+    assert outs["a"][-1].finish_reason is FinishReason.LENGTH and outs["a"][-1].error is None  # its whole answer
+    assert isinstance(future.exception(timeout=0), RuntimeError) and "broadcast" in str(future.exception(timeout=0))
+    assert "x" not in engine.adapters.loaded and engine.stats()["failed_total"] == 0  # forgotten all the same
+    engine.runner.unload_error = None
+    engine.load_adapter("x", "/adapters/x")  # the name is free again
+    run_one(engine, "b", "x")
+    engine.audit()
+
+
+def test_a_runner_lost_while_unloading_ends_the_step_after_answering_the_waiters():
+    engine = engine_with("x")
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=2, temperature=0), adapter="x")
+    engine.step()
+    future = engine.unload_adapter("x")
+    engine.runner.unload_error = RunnerLost("rank 1 is gone")
+    with pytest.raises(RunnerLost):
+        for _ in range(10):  # bounded: "a" has one token to go
+            engine.step()
+    assert isinstance(future.exception(timeout=0), RunnerLost) and "x" not in engine.adapters.loaded
+
+
+def test_a_load_is_prepared_apart_and_its_install_checks_the_name_again():
+    engine = engine_with()
+    first = engine.prepare_adapter("x", "/adapters/x")
+    second = engine.prepare_adapter("x", "/other/x")  # a second load of the name, prepared at the same time
+    assert engine.adapters.loaded == {} and engine.runner.adapters == {}  # preparing touches neither
+    assert engine.install_adapter(first).path == "/adapters/x"
+    with pytest.raises(AdapterError, match="'x' is already loaded") as caught:
+        engine.install_adapter(second)
+    assert caught.value.field == "lora_name" and engine.adapters.loaded["x"].path == "/adapters/x"
+    with pytest.raises(AdapterError, match="'x' is already loaded"):  # the quick refusal, before any reading
+        engine.prepare_adapter("x", "/third/x")
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort", "compile failure"])
+def test_a_request_waiting_for_its_grammar_holds_its_adapter_until_it_ends_however_it_ends(ending):
+    engine = engine_with("x", tokenizer=tiny_tokenizer())
+    constraint = Constraint("regex", "[a-z]{3}")
+    compiled = engine.compile_constraint(constraint).result(timeout=60)
+    held: Future = Future()
+    engine.compile_constraint = lambda c: held  # the compile is still running
+    engine.add_request("c", [1, 2], SamplingParams(max_tokens=8, temperature=0, constraint=constraint), adapter="x")
+    engine.step()
+    assert len(engine.compiling) == 1 and engine.adapters.users["x"] == 1
+    future = engine.unload_adapter("x")
+    engine.step()
+    assert not future.done() and engine.runner.unloaded == []  # it waits for "c", which has not even started
+    if ending == "abort":
+        engine.abort("c")
+    elif ending == "compile failure":
+        held.set_exception(ValueError("the grammar compiler gave up"))
+    else:
+        held.set_result(compiled)
+    outs = drain(engine)["c"]
+    expected = {"finish": FinishReason.STOP, "abort": FinishReason.ABORT, "compile failure": FinishReason.ERROR}
+    assert outs[-1].finish_reason is expected[ending]
+    if ending == "finish":  # its grammar's answer, made with the adapter
+        text = "".join(o.new_text for o in outs)
+        assert len(text) == 3 and text.isalpha() and text.islower()
+    assert future.result(timeout=0).name == "x" and engine.runner.unloaded == ["x"]
+    assert engine.adapters.users == {} and len(engine.compiling) == 0
+    engine.audit()
+    engine.grammars.shutdown()

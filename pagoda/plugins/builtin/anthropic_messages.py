@@ -310,12 +310,7 @@ def make_count_tokens(ctx: RouteContext) -> Callable[..., Any]:
         except msgspec.ValidationError as exc:
             where = str(exc).rpartition(" - at `$.")[2].rstrip("`") if " - at `$." in str(exc) else None
             raise RequestError(f"{where + ': ' if where else ''}{str(exc).partition(' - at ')[0]}", where) from None
-        if body.model != ctx.model.name and body.model not in ctx.model.aliases:
-            adapters = ctx.adapters(request)  # a LoRA adapter the caller may name counts as its base does
-            if body.model not in adapters:
-                served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
-                raise RequestError(f"model {body.model!r} does not exist; this server serves {served}",
-                                   "model", status=404, code="model_not_found")
+        ctx.resolve_model(request, body.model)  # 404 for a model not served; an adapter counts as its base does
         return {"input_tokens": len(endpoint.prepare(body, serving).prompt_token_ids)}
 
     return count_tokens

@@ -46,14 +46,14 @@ def make_retrieve(ctx: RouteContext) -> Callable[..., Any]:
 
     async def retrieve_model(model_id: FromPath[str], request: Request) -> dict[str, Any]:
         """The served model's card, or a LoRA adapter's; any other id is not found."""
-        if model_id == ctx.model.name or model_id in ctx.model.aliases:
-            return {**ctx.card, "id": model_id}  # an alias is reported as the name asked for
-        adapters = ctx.adapters(request)
-        if model_id in adapters:
-            return dict(adapters[model_id])
-        served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
-        raise RequestError(f"model {model_id!r} does not exist; this server serves {served}",
-                           "model", status=404, code="model_not_found")
+        reported, adapter = ctx.resolve_model(request, model_id)  # 404 for a model not served
+        if adapter is None:
+            return {**ctx.card, "id": reported}  # an alias is reported as the name asked for
+        card = ctx.adapters(request).get(adapter)
+        if card is None:  # unloaded since it was resolved
+            raise RequestError(f"model {model_id!r} does not exist (the LoRA adapter was just unloaded)", "model",
+                               status=404, code="model_not_found")
+        return dict(card)
 
     return retrieve_model
 

@@ -48,25 +48,13 @@ def _serving(ctx: RouteContext) -> ServeContext:
     return ctx.serving
 
 
-def _check_model(model: str | None, ctx: RouteContext, request: Request) -> None:
-    """404 for a model that is neither the served one (or an alias) nor a LoRA adapter the caller may name (an
-    adapter tokenizes as its base does)."""
-    if model is None or model == ctx.model.name or model in ctx.model.aliases:
-        return
-    adapters = ctx.adapters(request)
-    if model not in adapters:
-        served = ", ".join(map(repr, [ctx.model.name, *sorted(adapters)]))
-        raise RequestError(f"model {model!r} does not exist; this server serves {served}",
-                           "model", status=404, code="model_not_found")
-
-
 def make_tokenize(ctx: RouteContext) -> Callable[..., Any]:
     """The handler of POST /tokenize."""
     serving = _serving(ctx)
 
     async def tokenize(data: JSONBody[TokenizeRequest], request: Request) -> dict[str, Any]:
         """The token ids of a prompt, or of a conversation rendered with the chat template."""
-        _check_model(data.model, ctx, request)
+        ctx.resolve_model(request, data.model)  # 404 for a model not served; an adapter tokenizes as its base
         if (data.prompt is None) == (data.messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
         if data.prompt is not None:
@@ -88,7 +76,7 @@ def make_detokenize(ctx: RouteContext) -> Callable[..., Any]:
 
     async def detokenize(data: JSONBody[DetokenizeRequest], request: Request) -> dict[str, Any]:
         """The text of token ids."""
-        _check_model(data.model, ctx, request)
+        ctx.resolve_model(request, data.model)
         vocab = serving.tokenizer.vocab_size
         bad = next((i for i, t in enumerate(data.tokens) if not 0 <= t < vocab), None)
         if bad is not None:
