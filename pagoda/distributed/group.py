@@ -194,6 +194,20 @@ class TensorGroup:
             return None
         return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
 
+    def count(self, flag: int) -> int:
+        """The sum of every rank's `flag` on every rank (a vote on the control group: how many ranks said 1); rank 0
+        waits at most `send_timeout` for the others."""
+        if not self.communicates:
+            return flag
+        votes = torch.tensor([flag], dtype=torch.int64)
+
+        def vote() -> None:
+            work = dist.all_reduce(votes, group=self.control, async_op=True)
+            work.wait(timeout=self.send_timeout) if self.is_first else work.wait()
+
+        self._run("count", votes.nbytes, vote)
+        return int(votes.item())
+
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (one pickled message: its length, then its bytes)."""
         if not self.communicates:

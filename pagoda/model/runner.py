@@ -57,6 +57,7 @@ it; every other rank receives it and runs the same `run` on its shard (pagoda/di
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,13 +72,14 @@ from pagoda.core.engine_config import EngineConfig
 from pagoda.core.machine import cpu_facts, set_threads
 from pagoda.distributed.group import GroupFailure
 from pagoda.kernels import AttentionBackend, AttentionMetadata, allocate_kv_cache, select_backend
-from pagoda.core.adapters import AdapterInfo, PreparedAdapter
+from pagoda.core.adapters import AdapterError, AdapterInfo, PreparedAdapter
 from pagoda.model import cpu_graphs, cuda_graphs, lora
 from pagoda.model.config import ModelConfig
 from pagoda.model.invariance import prove_row_invariance
 from pagoda.model.loader import weight_format
 from pagoda.model.llama import StepContext, Transformer
 
+logger = logging.getLogger("pagoda.model")
 
 # a CPU step of at most this many token rows runs on one thread but for its linear layers (the design note)
 SMALL_ROWS = 256
@@ -195,11 +197,19 @@ class TorchModelRunner:
         del self.adapters[name]
 
     def change_adapter(self, change: AdapterChange) -> None:
-        """Another rank's side of rank 0's load or unload."""
+        """Another rank's side of rank 0's load or unload. A load is voted on: each rank says whether it could read
+        its shard of the adapter (rank 0's TensorParallelRunner.install_adapter counts the refusals)."""
         if change.path is None:
-            self.unload_adapter(change.name)
-        else:
+            self.adapters.pop(change.name, None)  # a load this rank refused left nothing to unload
+            return
+        refused = 0
+        try:
             self.load_adapter(change.name, change.path, change.max_rank)
+        except Exception:
+            logger.exception("tensor-parallel rank %d could not load LoRA adapter %r from %s", self.model.group.rank,
+                             change.name, change.path)
+            refused = 1
+        self.model.group.count(refused)
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch: write its new KV, return float32 logits [num_sample_rows, V]."""
@@ -312,10 +322,17 @@ class TensorParallelRunner(TorchModelRunner):
             self._in_step = False
 
     def install_adapter(self, prepared: PreparedAdapter) -> AdapterInfo:
-        # prepared (checked) here first: a refused adapter reaches no rank; the others load it from its directory
-        info = super().install_adapter(prepared)
-        self.ranks.group.broadcast(AdapterChange(info.name, info.path, prepared.max_rank))
-        return info
+        # prepared (checked) here first: a refused adapter reaches no rank; the others load it from its directory and
+        # vote. One that cannot (its machine lacks the directory, its memory is short) makes the load fail everywhere.
+        group, info = self.ranks.group, prepared.info
+        group.broadcast(AdapterChange(info.name, info.path, prepared.max_rank))
+        refused = group.count(0)
+        if refused:
+            group.broadcast(AdapterChange(info.name))  # the ranks that loaded it drop it
+            raise AdapterError(f"{refused} of the tensor-parallel group's other ranks could not load LoRA adapter "
+                               f"{info.name!r} from {info.path} (their log says why; the directory must exist on "
+                               f"every rank's machine)", "lora_path")
+        return super().install_adapter(prepared)
 
     def unload_adapter(self, name: str) -> None:
         super().unload_adapter(name)

@@ -102,3 +102,39 @@ def test_tp2_splits_phi3_fused_adapters_as_their_projections(tmp_path):
         with torch.no_grad():
             theirs = adapted_hf(hf, adapter)(torch.tensor([ids])).logits[0]
         torch.testing.assert_close(prompt_logits(engine, "ad", ids, 30), theirs, rtol=0, atol=ATOL)
+
+
+def test_tp2_a_load_a_rank_cannot_read_fails_everywhere_and_the_group_serves_on(tmp_path):
+    """Rank 0 reads the adapter, then its directory is gone before the others read theirs (a machine without it):
+    the load is refused naming lora_path, no rank keeps it, and the group serves the next request; a later load
+    and unload reach every rank."""
+    pytest.importorskip("peft")
+    import shutil
+
+    from pagoda.core.adapters import AdapterError
+    from pagoda.core.engine_config import EngineConfig
+    from pagoda.core.sampling_params import SamplingParams
+    from pagoda.model.factory import make_engine
+    from tests.model.test_lora_invariance import make_adapters, tiny_model
+
+    model_dir = save_model_dir(tiny_model(), tmp_path / "tiny")
+    adapters = make_adapters(model_dir, tmp_path)
+    gone = shutil.copytree(adapters["a"], tmp_path / "gone")
+    with tp_model(model_dir, 2, max_model_len=512) as (model, ranks):
+        engine = make_engine(model, EngineConfig(num_blocks=32, block_size=4, max_model_len=512), ranks=ranks)
+        prepared = engine.prepare_adapter("x", str(gone))
+        shutil.rmtree(gone)
+        with pytest.raises(AdapterError, match="could not load") as refused:
+            engine.install_adapter(prepared)
+        assert refused.value.field == "lora_path" and engine.adapters.loaded == {} and engine.runner.adapters == {}
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+        def answer(adapter=None):
+            engine.add_request("r", [5, 6, 7, 8], params, adapter=adapter)
+            return [t for out in engine.run() for t in out.new_token_ids]
+
+        base = answer()
+        engine.load_adapter("x", str(adapters["a"]))
+        assert answer("x") != base  # every rank holds x: a rank without it would fail the step
+        assert engine.unload_adapter("x").done() and answer() == base
+        engine.audit()
