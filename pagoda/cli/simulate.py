@@ -16,7 +16,8 @@ from pagoda.simulator.crowd import (
     shared_prefix_crowd, with_adapters,
 )
 from pagoda.simulator.fleet import FleetConfig, FleetReport, simulate_fleet
-from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
+from pagoda.simulator.report import SimulationReport
+from pagoda.simulator.simulate import SimulationConfig, simulate
 
 SHAPES = ("mixed", "shared-prefix", "chat", "agent", "noisy-neighbour")
 

@@ -33,7 +33,8 @@ from pagoda.harness.crowd_client import ClientOutcome, Endpoints, check_protocol
 from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.clock import CostModel
 from pagoda.simulator.crowd import ClientPlan
-from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
+from pagoda.simulator.report import SimulationReport
+from pagoda.simulator.simulate import SimulationConfig, simulate
 
 
 @dataclass

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, fields
 from pagoda.core import routing
 from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.crowd import ClientPlan
-from pagoda.simulator.simulate import CrowdRun, RouteRecord, SimulationConfig, SimulationReport, run_crowd
+from pagoda.simulator.report import SimulationReport
+from pagoda.simulator.simulate import CrowdRun, RouteRecord, SimulationConfig, run_crowd
 
 
 @dataclass(frozen=True)

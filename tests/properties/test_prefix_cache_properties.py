@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from pagoda.core.engine_config import EngineConfig
 from pagoda.simulator.crowd import ClientPlan, agent_crowd, chat_crowd, shared_prefix_crowd
-from pagoda.simulator.simulate import SimulationConfig, SimulationReport, simulate
+from pagoda.simulator.report import SimulationReport
+from pagoda.simulator.simulate import SimulationConfig, simulate
 
 BLOCK_SIZE = 4
 
