@@ -23,7 +23,6 @@ served, so on a server with keys only a key that may manage adapters may call th
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
@@ -40,8 +39,6 @@ from pagoda.api.http_errors import ERRORS_OPT
 from pagoda.core.adapters import UnknownAdapter, check_adapter_name
 from pagoda.plugins.error_shapes import OPENAI_ERRORS
 from pagoda.plugins.request_fields import RequestError
-
-logger = logging.getLogger("pagoda.api")
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
@@ -116,9 +113,7 @@ def adapter_routes(services: Services, guards: list[Guard]) -> list[HTTPRouteHan
         check_adapter_name(name, services.model_names or (services.context.model_name,))  # AdapterError: 400
         if not os.path.exists(body.lora_path):  # vLLM answers a path it cannot find with 404 (NotFoundError)
             raise RequestError(f"lora_path {body.lora_path!r} does not exist", "lora_path", status=404)
-        info = await services.engine.load_adapter(name, body.lora_path)  # AdapterError: 400 naming its field
-        logger.warning("LoRA adapter %r loaded from %s (%s): rank %d, %d bytes", name, info.path, LOAD_PATH,
-                       info.rank, info.nbytes)
+        await services.engine.load_adapter(name, body.lora_path)  # AdapterError: 400 naming its field (the engine logs)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type=MediaType.TEXT)
 
     async def unload_lora_adapter(request: Request, data: Any) -> Response[str]:
@@ -132,7 +127,6 @@ def adapter_routes(services: Services, guards: list[Guard]) -> list[HTTPRouteHan
         except UnknownAdapter:
             raise RequestError(f"LoRA adapter {name!r} is not loaded", "lora_name", status=404,
                                code="model_not_found") from None
-        logger.warning("LoRA adapter %r unloaded (%s)", name, UNLOAD_PATH)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type=MediaType.TEXT)
 
     routes = []

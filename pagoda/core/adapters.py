@@ -100,14 +100,16 @@ class AdapterTable:
     users: Counter[str] = field(default_factory=Counter)
     unloading: dict[str, list[Future[AdapterInfo]]] = field(default_factory=dict)
     issued: set[str] = field(default_factory=set)  # every cache key ever given: none is given twice
-    # name -> info of the adapters a request may name now: replaced whole, so other threads read it safely
-    snapshot: dict[str, AdapterInfo] = field(default_factory=dict)
-    # name -> (info, being unloaded) of every adapter holding memory, for /health: replaced whole too
+    # name -> (info, being unloaded) of every adapter holding memory: replaced whole, so other threads read it safely
     resident: dict[str, tuple[AdapterInfo, bool]] = field(default_factory=dict)
 
     def _publish(self) -> None:
-        self.snapshot = {n: a for n, a in self.loaded.items() if n not in self.unloading}
         self.resident = {n: (a, n in self.unloading) for n, a in self.loaded.items()}
+
+    @property
+    def snapshot(self) -> dict[str, AdapterInfo]:
+        """Name -> info of the adapters a request may name now (any thread: read from `resident`)."""
+        return {n: a for n, (a, unloading) in self.resident.items() if not unloading}
 
     def add(self, info: AdapterInfo) -> None:
         """Serve a loaded adapter under a cache key no earlier load had: its name the first time, else name#n."""
@@ -129,8 +131,8 @@ class AdapterTable:
             raise UnknownAdapter(f"LoRA adapter {name!r} is not loaded (loaded: {known})", name=name)
 
     def acquire(self, name: str | None) -> None:
+        """One more live request of `name` (checked by `check` when the request was made)."""
         if name is not None:
-            self.check(name)
             self.users[name] += 1
 
     def release(self, name: str | None) -> str | None:

@@ -62,7 +62,6 @@ class LoraConfig:
     rank: int
     alpha: float
     rslora: bool
-    target_modules: tuple[str, ...]
 
     def scaling(self, rank: int) -> float:
         """PEFT's scale of a module of rank `rank`: alpha / r, or alpha / sqrt(r) (rsLoRA)."""
@@ -101,9 +100,8 @@ def read_config(directory: Path, max_rank: int) -> LoraConfig:
         raise AdapterError(f"r {rank} is above this server's --max-lora-rank {max_rank}", "r")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"lora_alpha must be a number, got {alpha!r}", "lora_alpha")
-    targets = raw.get("target_modules") or ()
-    targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    return LoraConfig(rank=rank, alpha=float(alpha), rslora=bool(raw.get("use_rslora")), target_modules=targets)
+    # target_modules is not read: the tensors say which modules the adapter has (each checked by _parts)
+    return LoraConfig(rank=rank, alpha=float(alpha), rslora=bool(raw.get("use_rslora")))
 
 
 def adapter_kernel(model: Transformer) -> MatmulKernel:
@@ -242,7 +240,7 @@ def _parts(model: Transformer, layer: int, block: str, proj: str, key: str) -> l
     full_out = sum(n for _, _, n in names)
     parts = []
     for part, start, _ in names:
-        lo, hi = shard.rows(part) or (0, dict((p, n) for p, _, n in names)[part])
+        lo, hi = shard.rows(part)  # this rank's rows of the part (all of them in a group of one)
         parts.append(_Part(linear, offsets[part], (start + lo, start + hi), None, full_out, h))
     return parts
 
@@ -309,18 +307,11 @@ def load_adapter(model: Transformer, name: str, directory: str | Path, max_rank:
             part_a = a if part.columns is None else a[:, part.columns[0] : part.columns[1]]
             part_b = b if part.rows is None else b[part.rows[0] : part.rows[1]]
             stacked.setdefault(part.linear, []).append((part_a, part_b, part.out_offset))
-    adapter = LoraAdapter(AdapterInfo(name=name, path=str(directory), rank=max(ranks), nbytes=0,
-                                      target_modules=tuple(sorted(targets))))
-    for linear, parts in stacked.items():
-        adapter.modules[linear] = _module_delta(linear, parts, kernel, device)
-    packs = [p for delta in adapter.modules.values() for p in delta.packs()]
-    prove_row_invariance(packs, torch.float32, batch_invariant)
-    if table is not None:
-        adapter.entries = table.entries(adapter.modules)
-    nbytes = sum(delta.nbytes for delta in adapter.modules.values())
-    adapter.info = AdapterInfo(name=name, path=str(directory), rank=max(ranks), nbytes=nbytes,
-                               target_modules=adapter.info.target_modules)
-    return adapter
+    modules = {linear: _module_delta(linear, parts, kernel, device) for linear, parts in stacked.items()}
+    prove_row_invariance([p for delta in modules.values() for p in delta.packs()], torch.float32, batch_invariant)
+    info = AdapterInfo(name=name, path=str(directory), rank=max(ranks),
+                       nbytes=sum(delta.nbytes for delta in modules.values()), target_modules=tuple(sorted(targets)))
+    return LoraAdapter(info, modules, table.entries(modules) if table is not None else None)
 
 
 def _module_delta(linear: Linear, parts: list[tuple[Tensor, Tensor, int]], kernel: MatmulKernel,

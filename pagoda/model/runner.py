@@ -245,9 +245,12 @@ class TorchModelRunner:
     def fill_graph(self, bucket: int, plan: StepPlan) -> None:
         """A graph step's input preparation: its rows copied into the static buffers (and its adapters' slots)."""
         self.graphs.fill(bucket, plan.seq_lens, plan.token_ids, plan.block_tables)
-        if self.graphs.lora is not None:  # one row per sequence
-            names = plan.adapters or (None,) * len(plan.seq_lens)
-            adapters, slots = lora.slots_of(self.adapters, names, [1] * len(names), bucket)
+        if self.graphs.lora is None:
+            return
+        if not plan.adapters:  # every row on the base
+            self.graphs.row_slot[:bucket].fill_(-1)
+        else:  # one row per sequence
+            adapters, slots = lora.slots_of(self.adapters, plan.adapters, [1] * len(plan.adapters), bucket)
             self.graphs.lora.place(adapters)
             self.graphs.row_slot[:bucket].copy_(torch.tensor(slots, dtype=torch.int64))
 
